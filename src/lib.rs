@@ -1,0 +1,19 @@
+//! rolter: a cache-aware Pingora gateway for vLLM / OpenAI-compatible fleets.
+//!
+//! The library holds every module so integration tests and benches can use them;
+//! `main.rs` only wires the CLI to [`server`].
+//!
+//! Data flows one way: bytes in → request → prompt → decision → upstream → bytes out,
+//! and state flows back once: outcome → fleet state / prefix state.
+
+pub mod config;
+pub mod egress;
+pub mod fleet;
+pub mod kv_events;
+pub mod metrics;
+pub mod prefix;
+pub mod prompt;
+pub mod proxy;
+pub mod routing;
+pub mod runtime;
+pub mod server;
