@@ -7,11 +7,9 @@
 //! and state flows back once: outcome → fleet state / prefix state.
 
 pub mod config;
-pub mod egress;
+pub mod demo;
 pub mod fleet;
-pub mod kv_events;
 pub mod metrics;
-pub mod prefix;
 pub mod prompt;
 pub mod proxy;
 pub mod routing;

@@ -1,1 +1,95 @@
-//! TODO
+//! The Prometheus metrics rolter exports, as typed handles in one registry (the
+//! `prometheus` crate's default registry, which pingora's own metrics also use).
+//!
+//! Owns: metric names, help texts and label sets. Must not: decide anything; callers
+//! record outcomes here. Hot-path users keep pre-resolved handles (see `fleet`).
+
+use prometheus::{
+    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
+    Encoder, HistogramVec, IntCounterVec, IntGaugeVec, TextEncoder,
+};
+use std::sync::LazyLock;
+
+/// All of rolter's metric handles.
+pub struct Metrics {
+    /// Requests answered, by route alias, target and HTTP status.
+    pub requests: IntCounterVec,
+    /// Requests rejected or failed before/while proxying, by kind.
+    pub errors: IntCounterVec,
+    /// Requests in flight per target.
+    pub inflight: IntGaugeVec,
+    /// Total upstream latency (selection to last byte) per target.
+    pub upstream_latency: HistogramVec,
+    /// Time to the upstream's response header per target.
+    pub upstream_ttfb: HistogramVec,
+    /// Routing decisions by strategy and reason.
+    pub decisions: IntCounterVec,
+    /// Routing file reloads by result (ok / failed).
+    pub reloads: IntCounterVec,
+    /// Upstream connections by whether they came from the pool (reused=true/false).
+    pub upstream_connections: IntCounterVec,
+}
+
+/// The process-wide metrics.
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
+    requests: register_int_counter_vec!(
+        "rolter_requests_total",
+        "Requests answered, by route alias, target and HTTP status",
+        &["route", "target", "status"]
+    )
+    .expect("register rolter_requests_total"),
+    errors: register_int_counter_vec!(
+        "rolter_request_errors_total",
+        "Requests that ended in an error, by kind",
+        &["kind"]
+    )
+    .expect("register rolter_request_errors_total"),
+    inflight: register_int_gauge_vec!(
+        "rolter_inflight_requests",
+        "Requests in flight per target (selection until the response ends)",
+        &["target"]
+    )
+    .expect("register rolter_inflight_requests"),
+    upstream_latency: register_histogram_vec!(
+        "rolter_upstream_latency_seconds",
+        "Upstream latency from target selection to the last response byte",
+        &["target"],
+        exponential_buckets(0.001, 2.0, 20).expect("buckets")
+    )
+    .expect("register rolter_upstream_latency_seconds"),
+    upstream_ttfb: register_histogram_vec!(
+        "rolter_upstream_ttfb_seconds",
+        "Time from target selection to the upstream response header",
+        &["target"],
+        exponential_buckets(0.0005, 2.0, 20).expect("buckets")
+    )
+    .expect("register rolter_upstream_ttfb_seconds"),
+    decisions: register_int_counter_vec!(
+        "rolter_routing_decisions_total",
+        "Routing decisions by strategy and reason",
+        &["strategy", "reason"]
+    )
+    .expect("register rolter_routing_decisions_total"),
+    reloads: register_int_counter_vec!(
+        "rolter_config_reloads_total",
+        "Routing file reloads by result",
+        &["result"]
+    )
+    .expect("register rolter_config_reloads_total"),
+    upstream_connections: register_int_counter_vec!(
+        "rolter_upstream_connections_total",
+        "Upstream HTTP sessions by whether the connection was reused from the pool",
+        &["reused"]
+    )
+    .expect("register rolter_upstream_connections_total"),
+});
+
+/// Render every registered metric in the Prometheus text format.
+pub fn render() -> Vec<u8> {
+    let families = prometheus::gather();
+    let mut out = Vec::with_capacity(16 * 1024);
+    TextEncoder::new()
+        .encode(&families, &mut out)
+        .expect("text encoding to a Vec cannot fail");
+    out
+}

@@ -1,1 +1,422 @@
-//! TODO
+//! Request JSON → what routing needs: the alias asked for, where the `model` value sits
+//! in the body (so it can be rewritten without re-serialising), and the *prompt bytes*.
+//!
+//! Owns: the one JSON parse of a request body and the prompt byte encoding. Must not:
+//! touch sockets, routing state or config.
+//!
+//! Prompt encoding (stable; tries store it): for chat, every message in order as
+//! `role US text RS`, where `text` is the message's text (string content, or the text
+//! parts of an array joined by GS; a non-text part contributes its type and a hash of
+//! its payload, so two different images never look alike). Any of the separator bytes
+//! (and ESC) inside a role or text is escaped with ESC, so the encoding is unambiguous
+//! and a conversation that extends another one encodes to a byte-extension of it. For
+//! completions, a string prompt is its escaped text; a token array is each id as four
+//! big-endian bytes (prefix-preserving); a batch is its members each followed by RS.
+//! Chat and completion prompts start with different tag bytes so they never collide.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::hash::{Hash, Hasher};
+use thiserror::Error;
+
+/// Header carrying the request's token ids for `precise_cache_aware`.
+pub const TOKEN_IDS_HEADER: &str = "x-rolter-vllm-token-ids";
+/// Most token ids accepted from the header; more is treated as malformed (fall back).
+/// 1 M ids is far above any served context length.
+pub const MAX_TOKEN_IDS: usize = 1 << 20;
+
+const ESC: u8 = 0x1B;
+const GS: u8 = 0x1D;
+const RS: u8 = 0x1E;
+const US: u8 = 0x1F;
+const TAG_CHAT: u8 = b'C';
+const TAG_COMPLETION: u8 = b'P';
+
+/// Which OpenAI endpoint a body is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completions,
+}
+
+/// A parsed request body: everything later stages need, with the body untouched.
+#[derive(Debug)]
+pub struct ParsedRequest {
+    /// The `model` the client asked for.
+    pub model: String,
+    /// Byte range of the `model` value (including quotes) in the body.
+    pub model_span: std::ops::Range<usize>,
+    /// The prompt bytes (see module docs).
+    pub prompt: Vec<u8>,
+    /// Whether the client asked for a streamed (SSE) response.
+    pub stream: bool,
+}
+
+/// Why a body could not be turned into a request.
+#[derive(Debug, Error)]
+pub enum PromptError {
+    #[error("invalid JSON body: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("'model' must be a string")]
+    ModelNotString,
+}
+
+#[derive(Deserialize)]
+struct ChatBody<'a> {
+    #[serde(borrow)]
+    model: &'a RawValue,
+    #[serde(borrow)]
+    messages: Vec<Message<'a>>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<Vec<ToolCall<'a>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Parts(#[serde(borrow)] Vec<Part<'a>>),
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    /// Payload of a non-text part (`image_url`, `input_audio`, ...), hashed.
+    #[serde(flatten)]
+    rest: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct ToolCall<'a> {
+    #[serde(borrow, default)]
+    function: Option<ToolFunction<'a>>,
+}
+
+#[derive(Deserialize)]
+struct ToolFunction<'a> {
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody<'a> {
+    #[serde(borrow)]
+    model: &'a RawValue,
+    #[serde(borrow)]
+    prompt: PromptField<'a>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Tokens(Vec<u32>),
+    TextBatch(#[serde(borrow)] Vec<Cow<'a, str>>),
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+/// Parse a request body once and extract what routing needs.
+pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptError> {
+    let mut prompt = Vec::with_capacity(body.len());
+    let (raw_model, stream) = match endpoint {
+        Endpoint::Chat => {
+            let req: ChatBody = serde_json::from_slice(body)?;
+            prompt.push(TAG_CHAT);
+            for m in &req.messages {
+                encode_message(&mut prompt, m);
+            }
+            (req.model, req.stream)
+        }
+        Endpoint::Completions => {
+            let req: CompletionBody = serde_json::from_slice(body)?;
+            prompt.push(TAG_COMPLETION);
+            encode_completion(&mut prompt, &req.prompt);
+            (req.model, req.stream)
+        }
+    };
+    let model: String =
+        serde_json::from_str(raw_model.get()).map_err(|_| PromptError::ModelNotString)?;
+    let start = raw_model.get().as_ptr() as usize - body.as_ptr() as usize;
+    Ok(ParsedRequest {
+        model,
+        model_span: start..start + raw_model.get().len(),
+        prompt,
+        stream: stream.unwrap_or(false),
+    })
+}
+
+/// The body with its `model` value replaced by `upstream_model`; every other byte kept.
+pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, upstream_model: &str) -> Vec<u8> {
+    let quoted = serde_json::to_string(upstream_model).expect("a string always serialises");
+    let mut out = Vec::with_capacity(body.len() - span.len() + quoted.len());
+    out.extend_from_slice(&body[..span.start]);
+    out.extend_from_slice(quoted.as_bytes());
+    out.extend_from_slice(&body[span.end..]);
+    out
+}
+
+/// Parse `x-rolter-vllm-token-ids` (comma-separated u32). `None` if absent-equivalent
+/// (empty) or malformed: the caller falls back to load-based routing.
+pub fn parse_token_ids(header: &[u8]) -> Option<Vec<u32>> {
+    let text = std::str::from_utf8(header).ok()?.trim();
+    if text.is_empty() {
+        return None;
+    }
+    let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+    for part in text.split(',') {
+        if ids.len() >= MAX_TOKEN_IDS {
+            return None;
+        }
+        ids.push(part.trim().parse::<u32>().ok()?);
+    }
+    Some(ids)
+}
+
+fn encode_message(out: &mut Vec<u8>, m: &Message) {
+    escape_into(out, m.role.as_bytes());
+    out.push(US);
+    match &m.content {
+        None => {}
+        Some(Content::Text(t)) => escape_into(out, t.as_bytes()),
+        Some(Content::Parts(parts)) => {
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    out.push(GS);
+                }
+                match (&part.text, part.kind.as_ref()) {
+                    (Some(t), "text") => escape_into(out, t.as_bytes()),
+                    _ => encode_opaque_part(out, part),
+                }
+            }
+        }
+    }
+    for call in m.tool_calls.iter().flatten() {
+        if let Some(f) = &call.function {
+            out.push(GS);
+            escape_into(out, f.name.as_deref().unwrap_or("").as_bytes());
+            out.push(GS);
+            escape_into(out, f.arguments.as_deref().unwrap_or("").as_bytes());
+        }
+    }
+    out.push(RS);
+}
+
+/// A non-text part: its type, then a stable hash of its payload's canonical JSON.
+fn encode_opaque_part(out: &mut Vec<u8>, part: &Part) {
+    escape_into(out, part.kind.as_bytes());
+    out.push(b':');
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    // Maps are key-ordered, so this is canonical whatever the client's key order.
+    for (k, v) in &part.rest {
+        k.hash(&mut h);
+        v.to_string().hash(&mut h);
+    }
+    if let Some(t) = &part.text {
+        t.hash(&mut h);
+    }
+    out.extend_from_slice(format!("{:016x}", h.finish()).as_bytes());
+}
+
+fn encode_completion(out: &mut Vec<u8>, p: &PromptField) {
+    let tokens = |out: &mut Vec<u8>, ids: &[u32]| {
+        for id in ids {
+            out.extend_from_slice(&id.to_be_bytes());
+        }
+    };
+    match p {
+        PromptField::Text(t) => escape_into(out, t.as_bytes()),
+        PromptField::Tokens(ids) => tokens(out, ids),
+        PromptField::TextBatch(texts) => {
+            for t in texts {
+                escape_into(out, t.as_bytes());
+                out.push(RS);
+            }
+        }
+        PromptField::TokenBatch(batch) => {
+            for ids in batch {
+                tokens(out, ids);
+                out.push(RS);
+            }
+        }
+    }
+}
+
+fn escape_into(out: &mut Vec<u8>, text: &[u8]) {
+    for &b in text {
+        if matches!(b, ESC | GS | RS | US) {
+            out.push(ESC);
+        }
+        out.push(b);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Vec<u8> {
+        parse_request(Endpoint::Chat, body.as_bytes())
+            .unwrap()
+            .prompt
+    }
+
+    #[test]
+    fn same_shape_different_questions_differ() {
+        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":"What is Rust?"}]}"#);
+        let b = chat(r#"{"model":"m","messages":[{"role":"user","content":"Who wrote Dune?"}]}"#);
+        assert_ne!(a, b);
+        // They share only the tag and role, not the JSON scaffolding.
+        let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        assert!(common <= "Cuser\x1f".len(), "common prefix {common}");
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#);
+        let b = chat(
+            "{ \"stream\" : true ,\n \"messages\" : [ { \"content\" : \"hi\" ,\"role\":\"user\" } ],\n\t\"model\":\"m\" }",
+        );
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn extended_history_is_a_byte_prefix_extension() {
+        let short = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#,
+        );
+        let long = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!"},{"role":"user","content":"Bye"}]}"#,
+        );
+        assert!(long.starts_with(&short));
+        assert!(long.len() > short.len());
+    }
+
+    #[test]
+    fn message_boundaries_are_unambiguous() {
+        let a = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"bc"}]}"#,
+        );
+        let b = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"ab"},{"role":"user","content":"c"}]}"#,
+        );
+        let c =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"a\u001euser\u001fbc"}]}"#);
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn roles_matter() {
+        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
+        let b = chat(r#"{"model":"m","messages":[{"role":"assistant","content":"x"}]}"#);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn array_content_contributes_text_parts_and_distinguishes_images() {
+        let s = chat(r#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#);
+        let p = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"}]}]}"#,
+        );
+        assert_eq!(s, p);
+        let img = |url: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}]}}"#
+            ))
+        };
+        assert_ne!(img("data:a"), img("data:b"));
+        assert_eq!(img("data:a"), img("data:a"));
+        assert!(img("data:a").starts_with(b"Cuser\x1flook\x1dimage_url:"));
+    }
+
+    #[test]
+    fn completions_prompts() {
+        let p = |b: &str| {
+            parse_request(Endpoint::Completions, b.as_bytes())
+                .unwrap()
+                .prompt
+        };
+        assert_eq!(p(r#"{"model":"m","prompt":"abc"}"#), b"Pabc");
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2]}"#),
+            b"P\0\0\0\x01\0\0\0\x02"
+        );
+        assert!(p(r#"{"model":"m","prompt":[1,2,3]}"#)
+            .starts_with(&p(r#"{"model":"m","prompt":[1,2]}"#)));
+        assert_ne!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#),
+            p(r#"{"model":"m","prompt":["ab"]}"#)
+        );
+        // A completion and a chat never share bytes beyond nothing.
+        assert_ne!(
+            p(r#"{"model":"m","prompt":"x"}"#)[0],
+            chat(r#"{"model":"m","messages":[]}"#)[0]
+        );
+    }
+
+    #[test]
+    fn model_span_rewrite_keeps_everything_else() {
+        let body = br#"{ "messages": [{"role":"user","content":"hi"}], "model" : "llama", "temperature": 0.5 }"#;
+        let r = parse_request(Endpoint::Chat, body).unwrap();
+        assert_eq!(r.model, "llama");
+        let out = rewrite_model(body, r.model_span, "meta/Llama \"3\"");
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{ "messages": [{"role":"user","content":"hi"}], "model" : "meta/Llama \"3\"", "temperature": 0.5 }"#
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_errors() {
+        for body in [
+            "",
+            "{",
+            r#"{"model":"m"}"#,
+            r#"{"model":"m","messages":"hi"}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+            r#"{"model":"m","model":"n","messages":[]}"#,
+        ] {
+            assert!(
+                parse_request(Endpoint::Chat, body.as_bytes()).is_err(),
+                "{body}"
+            );
+        }
+        assert!(matches!(
+            parse_request(Endpoint::Chat, br#"{"model":5,"messages":[]}"#),
+            Err(PromptError::ModelNotString)
+        ));
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(parse_request(Endpoint::Chat, deep.as_bytes()).is_err());
+        assert!(parse_request(Endpoint::Chat, b"{\"model\":\"\xff\",\"messages\":[]}").is_err());
+    }
+
+    #[test]
+    fn token_ids_header() {
+        assert_eq!(parse_token_ids(b"1,2, 3"), Some(vec![1, 2, 3]));
+        assert_eq!(parse_token_ids(b""), None);
+        assert_eq!(parse_token_ids(b"1,x"), None);
+        assert_eq!(parse_token_ids(b"1,,2"), None);
+        assert_eq!(parse_token_ids(b"-1"), None);
+        assert_eq!(parse_token_ids(b"4294967296"), None);
+    }
+}

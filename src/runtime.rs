@@ -1,1 +1,279 @@
-//! TODO
+//! The live routing state: an `ArcSwap<RouteTable>` read once per request, the target
+//! [`Registry`] whose per-target state survives reloads, and the SIGHUP reload service.
+//!
+//! Owns: turning a validated `Config` into a `RouteTable` (DNS resolution of upstreams
+//! happens here, at load time, never per request), and swapping tables atomically.
+//! Must not: parse TOML (that is `config`) or decide routes (that is `routing`).
+
+use crate::config::{self, Config, ConfigError, LimitsConfig};
+use crate::fleet::{Registry, TargetKey, TargetState};
+use crate::metrics::METRICS;
+use crate::routing::{self, Strategy};
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use bytes::Bytes;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use pingora::upstreams::peer::HttpPeer;
+use std::collections::{HashMap, HashSet};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Why a routing file could not become live routes.
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{path}: providers[{index}].api_base: cannot resolve \"{authority}\": {reason}")]
+    Resolve {
+        path: String,
+        index: usize,
+        authority: String,
+        reason: String,
+    },
+}
+
+/// One target of a route, ready to forward to.
+pub struct RouteTarget {
+    /// Live state shared with every route that uses the same (provider, model).
+    pub state: Arc<TargetState>,
+    /// The upstream peer (resolved address, timeouts); cloned per request.
+    pub peer: HttpPeer,
+    /// `Host` header value for the upstream.
+    pub host: String,
+    /// Path prefix from `api_base` ("" if none), prepended to the request path.
+    pub base_path: String,
+    /// Model name sent upstream.
+    pub upstream_model: String,
+    /// Configured weight.
+    pub weight: u32,
+}
+
+/// A model alias with its strategy and targets.
+pub struct Route {
+    /// The alias clients ask for.
+    pub alias: String,
+    /// How a target is chosen.
+    pub strategy: Box<dyn Strategy>,
+    /// Targets in config order (indices are what strategies return).
+    pub targets: Vec<RouteTarget>,
+}
+
+/// Everything one routing-file generation defines.
+pub struct RouteTable {
+    routes: HashMap<String, Arc<Route>>,
+    /// Size and time limits.
+    pub limits: LimitsConfig,
+    models_json: Bytes,
+}
+
+impl RouteTable {
+    /// The route for a client-facing model alias.
+    pub fn route(&self, alias: &str) -> Option<&Arc<Route>> {
+        self.routes.get(alias)
+    }
+
+    /// The `GET /v1/models` response body.
+    pub fn models_json(&self) -> Bytes {
+        self.models_json.clone()
+    }
+
+    /// Build live routes from a validated config, resolving every provider address.
+    pub fn build(config: &Config, origin: &str, registry: &Registry) -> Result<Self, LoadError> {
+        let limits = config.limits.clone();
+        let mut providers = HashMap::new();
+        for (index, p) in config.providers.iter().enumerate() {
+            providers.insert(
+                p.name.as_str(),
+                resolve_provider(&p.api_base, origin, index)?,
+            );
+        }
+        let mut routes = HashMap::new();
+        for r in &config.routes {
+            let targets = r
+                .targets
+                .iter()
+                .map(|t| {
+                    let up = &providers[t.provider.as_str()];
+                    let key = TargetKey {
+                        provider: t.provider.clone(),
+                        model: t.model.clone(),
+                    };
+                    RouteTarget {
+                        state: registry.get_or_create(&key),
+                        peer: make_peer(up.addr, &limits),
+                        host: up.host.clone(),
+                        base_path: up.base_path.clone(),
+                        upstream_model: t.model.clone(),
+                        weight: t.weight,
+                    }
+                })
+                .collect();
+            let route = Route {
+                alias: r.model.clone(),
+                strategy: routing::build(r.strategy),
+                targets,
+            };
+            routes.insert(r.model.clone(), Arc::new(route));
+        }
+        let mut aliases: Vec<&String> = routes.keys().collect();
+        aliases.sort();
+        let data: Vec<serde_json::Value> = aliases
+            .iter()
+            .map(|a| serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "rolter"}))
+            .collect();
+        let models_json =
+            Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
+        Ok(RouteTable {
+            routes,
+            limits,
+            models_json,
+        })
+    }
+
+    /// Whether any route has a target that may be chosen now (readiness).
+    pub fn has_eligible_target(&self) -> bool {
+        self.routes
+            .values()
+            .any(|r| r.targets.iter().any(|t| t.state.eligible()))
+    }
+
+    /// Keys of every target this table routes to.
+    pub fn target_keys(&self) -> HashSet<TargetKey> {
+        self.routes
+            .values()
+            .flat_map(|r| r.targets.iter().map(|t| t.state.key().clone()))
+            .collect()
+    }
+}
+
+struct ResolvedProvider {
+    addr: SocketAddr,
+    host: String,
+    base_path: String,
+}
+
+fn resolve_provider(
+    api_base: &str,
+    origin: &str,
+    index: usize,
+) -> Result<ResolvedProvider, LoadError> {
+    // Shape was validated by `config`; only resolution can fail here.
+    let uri: http::Uri = api_base.parse().expect("validated api_base");
+    let authority = uri.authority().expect("validated api_base");
+    let port = authority.port_u16().unwrap_or(80);
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let err = |reason: String| LoadError::Resolve {
+        path: origin.to_string(),
+        index,
+        authority: authority.to_string(),
+        reason,
+    };
+    let addr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| err(e.to_string()))?
+        .next()
+        .ok_or_else(|| err("no addresses".into()))?;
+    Ok(ResolvedProvider {
+        addr,
+        host: authority.to_string(),
+        base_path: uri.path().trim_end_matches('/').to_string(),
+    })
+}
+
+fn make_peer(addr: SocketAddr, limits: &LimitsConfig) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, false, String::new());
+    peer.options.connection_timeout = Some(Duration::from_millis(limits.connect_timeout_ms));
+    peer.options.read_timeout = Some(Duration::from_millis(limits.read_timeout_ms));
+    peer.options.write_timeout = Some(Duration::from_millis(limits.read_timeout_ms));
+    peer.options.idle_timeout = Some(Duration::from_millis(limits.upstream_idle_timeout_ms));
+    peer
+}
+
+/// The process's routing state.
+pub struct Runtime {
+    table: ArcSwap<RouteTable>,
+    registry: Registry,
+    routes_path: PathBuf,
+}
+
+impl Runtime {
+    /// Load the routing file at `path` and build the first table.
+    pub fn load(path: &Path) -> Result<Self, LoadError> {
+        let registry = Registry::default();
+        let table = Self::read_table(path, &registry)?;
+        Ok(Runtime {
+            table: ArcSwap::from_pointee(table),
+            registry,
+            routes_path: path.to_path_buf(),
+        })
+    }
+
+    fn read_table(path: &Path, registry: &Registry) -> Result<RouteTable, LoadError> {
+        let config = config::load_file(path)?;
+        RouteTable::build(&config, &path.display().to_string(), registry)
+    }
+
+    /// The current table (one atomic load; hold it for the whole request).
+    pub fn table(&self) -> Arc<RouteTable> {
+        self.table.load_full()
+    }
+
+    /// The per-target state registry.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Re-read the routing file; swap it in if valid, keep the old table if not.
+    pub fn reload(&self) -> Result<(), LoadError> {
+        match Self::read_table(&self.routes_path, &self.registry) {
+            Ok(table) => {
+                let keep = table.target_keys();
+                self.table.store(Arc::new(table));
+                self.registry.retain(&keep);
+                METRICS.reloads.with_label_values(&["ok"]).inc();
+                log::info!("reloaded routes from {}", self.routes_path.display());
+                Ok(())
+            }
+            Err(e) => {
+                METRICS.reloads.with_label_values(&["failed"]).inc();
+                log::error!("reload rejected, keeping the previous routes: {e}");
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Background service: re-read the routing file on every SIGHUP.
+pub struct ReloadOnSighup(pub Arc<Runtime>);
+
+#[async_trait]
+impl BackgroundService for ReloadOnSighup {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("cannot listen for SIGHUP, reload disabled: {e}");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                _ = hup.recv() => {
+                    // Reading the file and resolving upstreams blocks: keep it off the
+                    // async workers.
+                    let runtime = self.0.clone();
+                    let _ = tokio::task::spawn_blocking(move || runtime.reload()).await;
+                }
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}

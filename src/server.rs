@@ -1,1 +1,63 @@
-//! TODO
+//! Process wiring: the CLI (pingora's own flags plus rolter's), validating the routing
+//! file before pingora bootstraps (so `-t` checks both files), the pingora `Server`
+//! with the gateway service and background services, and the `--demo` fleet.
+//!
+//! Must not: hold request-path logic.
+
+use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
+use crate::proxy::Gateway;
+use crate::runtime::{ReloadOnSighup, Runtime};
+use clap::Parser;
+use pingora::server::configuration::Opt;
+use pingora::server::Server;
+use pingora::services::background::background_service;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Default listen address of the proxy port.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
+
+/// rolter's command line: pingora's standard flags plus its own.
+#[derive(Debug, Parser)]
+#[command(
+    name = "rolter",
+    version,
+    about = "Cache-aware gateway for vLLM / OpenAI-compatible fleets"
+)]
+pub struct Cli {
+    /// pingora's flags: -c/--conf, -d/--daemon, -t/--test, -u/--upgrade.
+    #[command(flatten)]
+    pub pingora: Opt,
+    /// Routing file (TOML).
+    #[arg(long, env = ROUTES_ENV, default_value = DEFAULT_ROUTES_PATH)]
+    pub routes: PathBuf,
+    /// Address the proxy listens on.
+    #[arg(long, default_value = DEFAULT_LISTEN)]
+    pub listen: String,
+    /// Start simulated replicas in-process and route to them (no GPU, no config).
+    #[arg(long)]
+    pub demo: bool,
+}
+
+/// Run rolter with the given CLI; returns only on a startup error.
+pub fn run(mut cli: Cli) -> Result<(), String> {
+    if cli.demo {
+        cli.routes = crate::demo::start(&cli.listen)?;
+    }
+    let runtime = Runtime::load(&cli.routes).map_err(|e| e.to_string())?;
+    if cli.pingora.test {
+        println!("{}: routing file ok", cli.routes.display());
+    }
+    let runtime = Arc::new(runtime);
+    let mut server = Server::new(Some(cli.pingora)).map_err(|e| e.to_string())?;
+    // Exits the process after checking pingora's YAML when `-t` was given.
+    server.bootstrap();
+    let gateway = Gateway::new(runtime.clone(), &server.configuration);
+    let mut proxy =
+        pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "rolter");
+    proxy.add_tcp(&cli.listen);
+    server.add_service(proxy);
+    server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
+    log::info!("rolter listening on {}", cli.listen);
+    server.run_forever();
+}

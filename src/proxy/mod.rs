@@ -1,1 +1,402 @@
-//! TODO
+//! The HTTP front: a pingora `ProxyHttp` whose `request_filter` answers every request.
+//!
+//! Owns: endpoint dispatch, request body buffering, error responses (via [`error`]), the
+//! model rewrite, and forwarding over pingora-core's pooled connector (via [`upstream`]).
+//! Must not: contain routing policy (that is `routing`, called through the route's
+//! `Strategy`) or parse config.
+//!
+//! ## Why forwarding happens inside `request_filter` (SPEC §3.1)
+//! Routing needs the whole body (the prompt) before the peer is chosen, so the body is
+//! read in `request_filter`. Pingora 0.9.1 re-sends a body consumed there only through
+//! its 64 KiB retry buffer; a larger body is silently dropped and the upstream waits
+//! forever. LLM prompts routinely exceed 64 KiB. Of the two options inside pingora's
+//! public API we chose to forward ourselves with `pingora::connectors::http::v1::Connector`
+//! (the same pooled connector pingora's proxy loop uses) rather than the subrequest
+//! API: one code path for every body size up to `limits.max_body_bytes`, exact control
+//! of *when* a failure happened (which decides whether a retry is safe), the in-flight
+//! slot held by an RAII guard for exactly the life of the exchange, and TTFB measured
+//! where it happens. The cost is that pingora's upstream-side filters
+//! (`upstream_peer`, `upstream_request_filter`, ...) are unused; rolter needs none of
+//! them. `tests/proxy.rs` proves a 1 MiB prompt arrives byte-for-byte (after the model
+//! rewrite) over a reused pooled connection.
+
+pub mod body;
+pub mod error;
+pub mod upstream;
+
+use crate::metrics::METRICS;
+use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
+use crate::routing::{Candidate, FleetView, RouteInput};
+use crate::runtime::{Route, RouteTable, Runtime};
+use async_trait::async_trait;
+use bytes::Bytes;
+use error::GatewayError;
+use pingora::connectors::http::v1::Connector;
+use pingora::connectors::ConnectorOptions;
+use pingora::http::ResponseHeader;
+use pingora::proxy::{ProxyHttp, Session};
+use pingora::server::configuration::ServerConf;
+use pingora::upstreams::peer::HttpPeer;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use upstream::{ExchangeError, Upstream};
+
+/// Header carrying a client's session id (pipeline affinity).
+pub const SESSION_ID_HEADER: &str = "x-session-id";
+/// Seconds a client is told to wait when no target is eligible.
+const RETRY_AFTER_SECS: &str = "1";
+/// Attempts per request: the first choice plus one retry on the next-best target
+/// when the first could not be reached (SPEC §3 step 7).
+const MAX_ATTEMPTS: usize = 2;
+
+/// Per-request facts for the access log.
+#[derive(Debug, Default)]
+pub struct RequestCtx {
+    started: Option<Instant>,
+    route: Option<String>,
+    target: Option<String>,
+    strategy: &'static str,
+    reason: &'static str,
+    score: Option<f64>,
+    status: u16,
+    error: Option<&'static str>,
+    attempts: usize,
+    stream: bool,
+    prompt_bytes: usize,
+}
+
+/// The gateway application.
+pub struct Gateway {
+    runtime: Arc<Runtime>,
+    connector: Connector,
+}
+
+impl Gateway {
+    /// A gateway over `runtime`, with an upstream pool sized from pingora's server conf.
+    pub fn new(runtime: Arc<Runtime>, conf: &ServerConf) -> Self {
+        Gateway {
+            runtime,
+            connector: Connector::new(Some(ConnectorOptions::from_server_conf(conf))),
+        }
+    }
+
+    async fn handle(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<(), GatewayError> {
+        let method = session.req_header().method.clone();
+        let path = session.req_header().uri.path().to_string();
+        let endpoint = match path.as_str() {
+            "/v1/chat/completions" => Endpoint::Chat,
+            "/v1/completions" => Endpoint::Completions,
+            "/health" | "/ready" | "/metrics" | "/v1/models" => {
+                if method != http::Method::GET && method != http::Method::HEAD {
+                    return Err(GatewayError::MethodNotAllowed(method.to_string()));
+                }
+                return self.serve_local(session, ctx, &path).await;
+            }
+            _ => return Err(GatewayError::NotFound(format!("no such endpoint: {path}"))),
+        };
+        if method != http::Method::POST {
+            return Err(GatewayError::MethodNotAllowed(method.to_string()));
+        }
+        let table = self.runtime.table();
+        let limits = &table.limits;
+        let body = body::read_body(
+            session,
+            limits.max_body_bytes,
+            Duration::from_millis(limits.client_body_timeout_ms),
+        )
+        .await?;
+        let parsed = prompt::parse_request(endpoint, &body)
+            .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
+        ctx.stream = parsed.stream;
+        ctx.prompt_bytes = parsed.prompt.len();
+        let route = table.route(&parsed.model).ok_or_else(|| {
+            GatewayError::NotFound(format!("The model '{}' does not exist", parsed.model))
+        })?;
+        ctx.route = Some(route.alias.clone());
+        ctx.strategy = route.strategy.name();
+        let token_ids = session
+            .req_header()
+            .headers
+            .get(TOKEN_IDS_HEADER)
+            .and_then(|v| prompt::parse_token_ids(v.as_bytes()));
+        let session_id = session
+            .req_header()
+            .headers
+            .get(SESSION_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let input = RouteInput {
+            prompt: &parsed.prompt,
+            token_ids: token_ids.as_deref(),
+            session_id: session_id.as_deref(),
+        };
+        self.forward(session, ctx, &table, route, &input, &body, &parsed)
+            .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn forward(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        table: &RouteTable,
+        route: &Route,
+        input: &RouteInput<'_>,
+        body: &Bytes,
+        parsed: &prompt::ParsedRequest,
+    ) -> Result<(), GatewayError> {
+        let mut excluded = Vec::new();
+        let mut last_error = None;
+        for _ in 0..MAX_ATTEMPTS {
+            let candidates: Vec<Candidate> = route
+                .targets
+                .iter()
+                .map(|t| Candidate {
+                    inflight: t.state.inflight(),
+                    eligible: t.state.eligible(),
+                    weight: t.weight,
+                })
+                .collect();
+            let view = FleetView {
+                candidates: &candidates,
+                excluded: &excluded,
+            };
+            let Some(decision) = route.strategy.select(input, &view) else {
+                break;
+            };
+            let target = &route.targets[decision.target];
+            ctx.attempts += 1;
+            ctx.target = Some(target.state.label().to_string());
+            ctx.reason = decision.reason.as_str();
+            ctx.score = decision.score;
+            METRICS
+                .decisions
+                .with_label_values(&[route.strategy.name(), decision.reason.as_str()])
+                .inc();
+            let _slot = target.state.start_request();
+            let started = Instant::now();
+            let upstream_body = Bytes::from(prompt::rewrite_model(
+                body,
+                parsed.model_span.clone(),
+                &target.upstream_model,
+            ));
+            let req = upstream::upstream_request(
+                session.req_header(),
+                &target.host,
+                &target.base_path,
+                upstream_body.len(),
+            )?;
+            let up = Upstream {
+                peer: &target.peer,
+                label: target.state.label(),
+                idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
+            };
+            let record = |status: u16| {
+                if (200..300).contains(&status) {
+                    route.strategy.record(input, decision.target);
+                }
+            };
+            let result = upstream::exchange(
+                &self.connector,
+                &up,
+                session,
+                &req,
+                &upstream_body,
+                started,
+                record,
+            )
+            .await;
+            match result {
+                Ok(outcome) => {
+                    ctx.status = outcome.status;
+                    METRICS
+                        .upstream_ttfb
+                        .with_label_values(&[target.state.label()])
+                        .observe(outcome.ttfb.as_secs_f64());
+                    METRICS
+                        .upstream_latency
+                        .with_label_values(&[target.state.label()])
+                        .observe(started.elapsed().as_secs_f64());
+                    return Ok(());
+                }
+                Err(ExchangeError::Retryable(e)) => {
+                    log::warn!("{e}; trying the next-best target");
+                    excluded.push(decision.target);
+                    last_error = Some(e);
+                }
+                Err(ExchangeError::Final(e)) => return Err(e),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| GatewayError::NoEligibleTarget(route.alias.clone())))
+    }
+
+    async fn serve_local(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        path: &str,
+    ) -> Result<(), GatewayError> {
+        let (status, content_type, body) = match path {
+            "/health" => (200, "text/plain", Bytes::from_static(b"ok\n")),
+            "/ready" => {
+                let table = self.runtime.table();
+                if table.has_eligible_target() {
+                    (200, "text/plain", Bytes::from_static(b"ready\n"))
+                } else {
+                    (
+                        503,
+                        "text/plain",
+                        Bytes::from_static(b"no eligible target\n"),
+                    )
+                }
+            }
+            "/metrics" => (
+                200,
+                "text/plain; version=0.0.4",
+                Bytes::from(crate::metrics::render()),
+            ),
+            _ => (200, "application/json", self.runtime.table().models_json()),
+        };
+        ctx.status = status;
+        respond(session, status, content_type, body, &[]).await
+    }
+}
+
+/// Write a complete small response.
+async fn respond(
+    session: &mut Session,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    extra: &[(&'static str, &str)],
+) -> Result<(), GatewayError> {
+    let gone = |e: Box<pingora::Error>| GatewayError::ClientGone(e.to_string());
+    let mut h = ResponseHeader::build(status, Some(3 + extra.len())).map_err(gone)?;
+    h.insert_header(http::header::CONTENT_TYPE, content_type)
+        .map_err(gone)?;
+    h.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())
+        .map_err(gone)?;
+    for (k, v) in extra {
+        h.insert_header(*k, *v).map_err(gone)?;
+    }
+    let head_only = session.req_header().method == http::Method::HEAD;
+    session
+        .write_response_header(Box::new(h), head_only)
+        .await
+        .map_err(gone)?;
+    if !head_only {
+        session
+            .write_response_body(Some(body), true)
+            .await
+            .map_err(gone)?;
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            started: Some(Instant::now()),
+            ..Default::default()
+        }
+    }
+
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> pingora::Result<bool> {
+        let Err(e) = self.handle(session, ctx).await else {
+            return Ok(true);
+        };
+        ctx.error = Some(e.kind());
+        ctx.status = e.status();
+        METRICS.errors.with_label_values(&[e.kind()]).inc();
+        if matches!(e, GatewayError::ClientGone(_)) || session.response_written().is_some() {
+            // Nothing more can be said to this client; make pingora drop the connection.
+            return Err(pingora::Error::explain(
+                pingora::ErrorType::WriteError,
+                e.to_string(),
+            ));
+        }
+        // The request body may be unread (413, 408, ...): never reuse this connection.
+        session.set_keepalive(None);
+        let extra: &[(&'static str, &str)] = if e.status() == 503 {
+            &[("retry-after", RETRY_AFTER_SECS)]
+        } else {
+            &[]
+        };
+        if let Err(write_err) = respond(
+            session,
+            e.status(),
+            "application/json",
+            Bytes::from(e.body()),
+            extra,
+        )
+        .await
+        {
+            return Err(pingora::Error::explain(
+                pingora::ErrorType::WriteError,
+                write_err.to_string(),
+            ));
+        }
+        Ok(true)
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> pingora::Result<Box<HttpPeer>> {
+        // Unreachable: request_filter answers every request (see the module docs).
+        Err(pingora::Error::explain(
+            pingora::ErrorType::InternalError,
+            "rolter forwards in request_filter; upstream_peer is never used",
+        ))
+    }
+
+    async fn logging(
+        &self,
+        session: &mut Session,
+        _e: Option<&pingora::Error>,
+        ctx: &mut RequestCtx,
+    ) {
+        let req = session.req_header();
+        METRICS
+            .requests
+            .with_label_values(&[
+                ctx.route.as_deref().unwrap_or("-"),
+                ctx.target.as_deref().unwrap_or("-"),
+                &ctx.status.to_string(),
+            ])
+            .inc();
+        if !log::log_enabled!(target: "access", log::Level::Info) {
+            return;
+        }
+        let ms = ctx.started.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
+        log::info!(
+            target: "access",
+            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} stream={} prompt_bytes={} error={} ms={:.2}",
+            req.method,
+            req.uri.path(),
+            ctx.status,
+            ctx.route.as_deref().unwrap_or("-"),
+            ctx.target.as_deref().unwrap_or("-"),
+            if ctx.strategy.is_empty() { "-" } else { ctx.strategy },
+            if ctx.reason.is_empty() { "-" } else { ctx.reason },
+            ctx.score.map_or("-".to_string(), |s| format!("{s:.3}")),
+            ctx.attempts,
+            ctx.stream,
+            ctx.prompt_bytes,
+            ctx.error.unwrap_or("-"),
+            ms,
+        );
+    }
+}

@@ -1,1 +1,140 @@
-//! TODO
+//! Pure routing decisions: given a request's [`RouteInput`] and a [`FleetView`] of the
+//! route's targets, pick one. No pingora, no sockets, no clocks beyond what callers pass:
+//! everything here is unit-testable and benchable on plain data.
+//!
+//! A strategy is a narrow extension point with defaults, like pingora's `ProxyHttp`:
+//! [`Strategy::select`] is required, [`Strategy::record`] (learn from a forwarded
+//! request) is optional. Each strategy lives in its own file with its tests.
+
+mod baseline;
+
+pub use baseline::{LeastLoad, RoundRobin};
+
+use crate::config::StrategyKind;
+
+/// What a strategy may look at in a request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteInput<'a> {
+    /// Prompt bytes (see `prompt`).
+    pub prompt: &'a [u8],
+    /// Token ids from `x-rolter-vllm-token-ids`, if present and well-formed.
+    pub token_ids: Option<&'a [u32]>,
+    /// `x-session-id`, if present.
+    pub session_id: Option<&'a str>,
+}
+
+/// A route target as the strategy sees it at decision time.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate {
+    /// Requests in flight on this target right now.
+    pub inflight: u64,
+    /// Healthy, not cooling down, circuit not open.
+    pub eligible: bool,
+    /// Configured weight (≥ 1).
+    pub weight: u32,
+}
+
+/// The targets of one route, in config order, plus those already tried for this request.
+#[derive(Debug, Clone, Copy)]
+pub struct FleetView<'a> {
+    /// One entry per route target.
+    pub candidates: &'a [Candidate],
+    /// Indices already tried (and failed) for this request; never chosen again.
+    pub excluded: &'a [usize],
+}
+
+impl<'a> FleetView<'a> {
+    /// A view with nothing excluded.
+    pub fn new(candidates: &'a [Candidate]) -> Self {
+        FleetView {
+            candidates,
+            excluded: &[],
+        }
+    }
+
+    /// Indices a strategy may choose: eligible and not already tried.
+    pub fn eligible(&self) -> impl Iterator<Item = usize> + '_ {
+        self.candidates
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| c.eligible && !self.excluded.contains(i))
+            .map(|(i, _)| i)
+    }
+
+    /// The smallest in-flight count among eligible targets.
+    pub fn min_inflight(&self) -> Option<u64> {
+        self.eligible().map(|i| self.candidates[i].inflight).min()
+    }
+
+    /// Among eligible targets with the fewest in flight, one chosen uniformly at random.
+    pub fn least_loaded(&self) -> Option<usize> {
+        let min = self.min_inflight()?;
+        pick_random(
+            self.eligible()
+                .filter(|&i| self.candidates[i].inflight == min),
+        )
+    }
+}
+
+/// Why a target was chosen (exported as a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Next in rotation.
+    RoundRobin,
+    /// Fewest requests in flight.
+    LeastLoad,
+}
+
+impl Reason {
+    /// Stable label value for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RoundRobin => "round_robin",
+            Reason::LeastLoad => "least_load",
+        }
+    }
+}
+
+/// A strategy's answer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// Index into the route's targets.
+    pub target: usize,
+    /// Why.
+    pub reason: Reason,
+    /// Prefix match score of the chosen target in `[0, 1]`, for strategies that score.
+    pub score: Option<f64>,
+}
+
+/// A target-selection policy for one route.
+pub trait Strategy: Send + Sync {
+    /// The strategy's name as in the routing file.
+    fn name(&self) -> &'static str;
+
+    /// Pick an eligible target, or `None` if there is none.
+    fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
+
+    /// Learn from a request that was forwarded to `target` (default: nothing to learn).
+    fn record(&self, _input: &RouteInput, _target: usize) {}
+}
+
+/// Build the strategy named in a route.
+pub fn build(kind: StrategyKind) -> Box<dyn Strategy> {
+    match kind {
+        StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
+        StrategyKind::LeastLoad => Box::new(LeastLoad),
+    }
+}
+
+/// Uniform choice from an iterator without collecting (reservoir sampling).
+pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    let mut chosen = None;
+    for (n, item) in items.enumerate() {
+        if rng.gen_range(0..=n) == 0 {
+            chosen = Some(item);
+        }
+    }
+    chosen
+}

@@ -1,0 +1,125 @@
+//! The routing file's shape, as serde types. Defaults live here as named constants.
+
+use serde::Deserialize;
+
+/// Default cap on a buffered request body (SPEC §3: 4 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// Default TCP connect timeout to an upstream.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Default idle read timeout on an upstream response (header or between body chunks).
+/// Long: a non-streaming completion of a long prompt can take minutes of prefill + decode.
+pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
+/// Default time a client has to send the whole request body (slow-body defence).
+pub const DEFAULT_CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
+/// Default idle time of a pooled upstream connection. vLLM's uvicorn closes idle
+/// keep-alive connections after 5 s (`--timeout-keep-alive` default), so stay below it.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
+
+/// A whole routing file.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct Config {
+    /// Upstream endpoints, by name.
+    #[serde(default)]
+    pub providers: Vec<ProviderConfig>,
+    /// Model aliases clients ask for, each with a strategy and targets.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    /// Request size and timeout limits.
+    #[serde(default)]
+    pub limits: LimitsConfig,
+}
+
+/// The kind of upstream API a provider speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// vLLM or anything else that serves the OpenAI HTTP API.
+    OpenaiCompatible,
+}
+
+/// One upstream replica (or load balancer in front of replicas).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProviderConfig {
+    /// Unique name that routes refer to.
+    pub name: String,
+    /// API flavour.
+    pub kind: ProviderKind,
+    /// Base URL, `http://host:port` with an optional path prefix.
+    pub api_base: String,
+}
+
+/// How a route picks one of its targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StrategyKind {
+    /// Rotate through eligible targets.
+    RoundRobin,
+    /// Fewest requests in flight, random tiebreak.
+    LeastLoad,
+}
+
+impl StrategyKind {
+    /// The name used in the routing file and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StrategyKind::RoundRobin => "round_robin",
+            StrategyKind::LeastLoad => "least_load",
+        }
+    }
+}
+
+/// A model alias and how to serve it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RouteConfig {
+    /// The `model` clients send.
+    pub model: String,
+    /// Target selection strategy.
+    pub strategy: StrategyKind,
+    /// Where requests for this alias may go.
+    #[serde(default)]
+    pub targets: Vec<TargetConfig>,
+}
+
+/// One (provider, upstream model) a route may send to.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TargetConfig {
+    /// Name of a `[[providers]]` entry.
+    pub provider: String,
+    /// The model name sent upstream in place of the alias.
+    pub model: String,
+    /// Relative weight (pipeline, weighted fallbacks). At least 1.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+/// Size and time limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct LimitsConfig {
+    /// Largest accepted request body; larger gets 413.
+    pub max_body_bytes: usize,
+    /// TCP connect timeout to an upstream.
+    pub connect_timeout_ms: u64,
+    /// Idle read timeout on the upstream response; exceeded gives 504.
+    pub read_timeout_ms: u64,
+    /// Time a client has to deliver its request body.
+    pub client_body_timeout_ms: u64,
+    /// How long a pooled upstream connection may sit idle.
+    pub upstream_idle_timeout_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+            read_timeout_ms: DEFAULT_READ_TIMEOUT_MS,
+            client_body_timeout_ms: DEFAULT_CLIENT_BODY_TIMEOUT_MS,
+            upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! Semantic checks the type system cannot express: references between sections,
+//! uniqueness, URL shape, value ranges. Each problem is one line naming its key.
+
+use super::Config;
+use std::collections::HashSet;
+
+/// Every semantic problem in `config`, in file order.
+pub(super) fn problems(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut names = HashSet::new();
+    for (i, p) in config.providers.iter().enumerate() {
+        if p.name.is_empty() {
+            out.push(format!("providers[{i}].name: must not be empty"));
+        } else if !names.insert(p.name.as_str()) {
+            out.push(format!(
+                "providers[{i}].name: duplicate provider name \"{}\"",
+                p.name
+            ));
+        }
+        if let Err(why) = check_api_base(&p.api_base) {
+            out.push(format!(
+                "providers[{i}].api_base: bad URL \"{}\": {why}",
+                p.api_base
+            ));
+        }
+    }
+    let mut aliases = HashSet::new();
+    for (i, r) in config.routes.iter().enumerate() {
+        if r.model.is_empty() {
+            out.push(format!("routes[{i}].model: must not be empty"));
+        } else if !aliases.insert(r.model.as_str()) {
+            out.push(format!(
+                "routes[{i}].model: duplicate route for model \"{}\"",
+                r.model
+            ));
+        }
+        if r.targets.is_empty() {
+            out.push(format!(
+                "routes[{i}].targets: a route needs at least one target"
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (j, t) in r.targets.iter().enumerate() {
+            if !names.contains(t.provider.as_str()) {
+                out.push(format!(
+                    "routes[{i}].targets[{j}].provider: unknown provider \"{}\"",
+                    t.provider
+                ));
+            }
+            if t.model.is_empty() {
+                out.push(format!("routes[{i}].targets[{j}].model: must not be empty"));
+            }
+            if t.weight == 0 {
+                out.push(format!(
+                    "routes[{i}].targets[{j}].weight: must be at least 1"
+                ));
+            }
+            if !seen.insert((t.provider.as_str(), t.model.as_str())) {
+                out.push(format!(
+                    "routes[{i}].targets[{j}]: duplicate target {}/{}",
+                    t.provider, t.model
+                ));
+            }
+        }
+    }
+    let l = &config.limits;
+    for (key, value) in [
+        ("limits.max_body_bytes", l.max_body_bytes as u64),
+        ("limits.connect_timeout_ms", l.connect_timeout_ms),
+        ("limits.read_timeout_ms", l.read_timeout_ms),
+        ("limits.client_body_timeout_ms", l.client_body_timeout_ms),
+        (
+            "limits.upstream_idle_timeout_ms",
+            l.upstream_idle_timeout_ms,
+        ),
+    ] {
+        if value == 0 {
+            out.push(format!("{key}: must be greater than 0"));
+        }
+    }
+    out
+}
+
+/// An upstream base URL: `http://host:port[/prefix]`, nothing else.
+pub fn check_api_base(url: &str) -> Result<(), String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("{e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => return Err("https upstreams are not supported (plain http only)".into()),
+        Some(other) => return Err(format!("unsupported scheme \"{other}\"")),
+        None => return Err("missing scheme, expected http://host:port".into()),
+    }
+    let authority = uri.authority().ok_or("missing host")?;
+    if authority.host().is_empty() {
+        return Err("missing host".into());
+    }
+    if authority.as_str().contains('@') {
+        return Err("credentials in the URL are not supported".into());
+    }
+    if uri.query().is_some() {
+        return Err("a query string is not allowed".into());
+    }
+    Ok(())
+}

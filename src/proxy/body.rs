@@ -1,0 +1,75 @@
+//! Buffering a client request body in `request_filter`, bounded in size and time.
+//!
+//! A declared `Content-Length` over the limit is refused before reading a byte;
+//! a chunked or lying body is refused as soon as it crosses the limit.
+
+use super::error::GatewayError;
+use bytes::{Bytes, BytesMut};
+use pingora::proxy::Session;
+use std::time::Duration;
+
+/// Read the whole request body (at most `limit` bytes, within `timeout`).
+pub async fn read_body(
+    session: &mut Session,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, GatewayError> {
+    let declared = content_length(session)?;
+    if declared.is_some_and(|n| n > limit) {
+        return Err(GatewayError::PayloadTooLarge { limit });
+    }
+    if is_expect_continue(session) {
+        session
+            .write_continue_response()
+            .await
+            .map_err(|e| GatewayError::ClientGone(e.to_string()))?;
+    }
+    let mut buf = BytesMut::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
+            Err(_) => return Err(GatewayError::ClientBodyTimeout(timeout.as_millis() as u64)),
+            Ok(Err(e)) => {
+                return Err(GatewayError::BadRequest(format!(
+                    "could not read the request body: {e}"
+                )))
+            }
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(chunk))) => chunk,
+        };
+        if buf.len() + chunk.len() > limit {
+            return Err(GatewayError::PayloadTooLarge { limit });
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+fn content_length(session: &Session) -> Result<Option<usize>, GatewayError> {
+    let values = session
+        .req_header()
+        .headers
+        .get_all(http::header::CONTENT_LENGTH);
+    let mut found = None;
+    for v in values {
+        let n = std::str::from_utf8(v.as_bytes())
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .ok_or_else(|| GatewayError::BadRequest("invalid Content-Length".into()))?;
+        if found.is_some_and(|f| f != n) {
+            return Err(GatewayError::BadRequest(
+                "conflicting Content-Length headers".into(),
+            ));
+        }
+        found = Some(n);
+    }
+    Ok(found)
+}
+
+fn is_expect_continue(session: &Session) -> bool {
+    session
+        .req_header()
+        .headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}

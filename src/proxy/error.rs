@@ -1,0 +1,108 @@
+//! Every way a request can fail, mapped in one place to an HTTP status, an OpenAI-shaped
+//! error body (`{"error": {"message", "type", "param", "code"}}`) and a metric label.
+
+use thiserror::Error;
+
+/// A request-level failure the client is told about.
+#[derive(Debug, Error)]
+pub enum GatewayError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("method {0} is not allowed on this path")]
+    MethodNotAllowed(String),
+    #[error("request body exceeds the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("request body not received within {0} ms")]
+    ClientBodyTimeout(u64),
+    #[error("no eligible upstream for model '{0}'; retry later")]
+    NoEligibleTarget(String),
+    #[error("upstream {target} unreachable: {reason}")]
+    UpstreamConnect { target: String, reason: String },
+    #[error("upstream {target} failed: {reason}")]
+    UpstreamBroken { target: String, reason: String },
+    #[error("upstream {target} timed out: {reason}")]
+    UpstreamTimeout { target: String, reason: String },
+    /// The client went away; nothing can be sent.
+    #[error("client disconnected: {0}")]
+    ClientGone(String),
+}
+
+impl GatewayError {
+    /// HTTP status for the client.
+    pub fn status(&self) -> u16 {
+        match self {
+            GatewayError::BadRequest(_) => 400,
+            GatewayError::NotFound(_) => 404,
+            GatewayError::MethodNotAllowed(_) => 405,
+            GatewayError::ClientBodyTimeout(_) => 408,
+            GatewayError::PayloadTooLarge { .. } => 413,
+            GatewayError::NoEligibleTarget(_) => 503,
+            GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
+            GatewayError::UpstreamTimeout { .. } => 504,
+            // 499 (nginx's "client closed request") is only ever logged, never sent.
+            GatewayError::ClientGone(_) => 499,
+        }
+    }
+
+    /// Stable label for `rolter_request_errors_total{kind}` and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GatewayError::BadRequest(_) => "bad_request",
+            GatewayError::NotFound(_) => "not_found",
+            GatewayError::MethodNotAllowed(_) => "method_not_allowed",
+            GatewayError::ClientBodyTimeout(_) => "client_body_timeout",
+            GatewayError::PayloadTooLarge { .. } => "body_too_large",
+            GatewayError::NoEligibleTarget(_) => "no_eligible_target",
+            GatewayError::UpstreamConnect { .. } => "upstream_connect",
+            GatewayError::UpstreamBroken { .. } => "upstream_broken",
+            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::ClientGone(_) => "client_disconnect",
+        }
+    }
+
+    /// OpenAI's error `type` field.
+    fn openai_type(&self) -> &'static str {
+        match self.status() {
+            400..=499 => "invalid_request_error",
+            503 => "service_unavailable",
+            _ => "upstream_error",
+        }
+    }
+
+    /// The OpenAI-shaped JSON body.
+    pub fn body(&self) -> String {
+        serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.openai_type(),
+                "param": serde_json::Value::Null,
+                "code": self.kind(),
+            }
+        })
+        .to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_shape() {
+        let e = GatewayError::PayloadTooLarge { limit: 10 };
+        let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
+        assert_eq!(e.status(), 413);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "body_too_large");
+        assert!(v["error"]["message"].as_str().unwrap().contains("10 bytes"));
+        assert!(v["error"]["param"].is_null());
+        let t = GatewayError::UpstreamTimeout {
+            target: "a/m".into(),
+            reason: "read".into(),
+        };
+        assert_eq!(t.status(), 504);
+        assert_eq!(GatewayError::NoEligibleTarget("m".into()).status(), 503);
+    }
+}
