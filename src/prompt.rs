@@ -282,7 +282,7 @@ mod tests {
 
     #[test]
     fn same_shape_different_questions_differ() {
-        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":"What is Rust?"}]}"#);
+        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":"Explain Rust"}]}"#);
         let b = chat(r#"{"model":"m","messages":[{"role":"user","content":"Who wrote Dune?"}]}"#);
         assert_ne!(a, b);
         // They share only the tag and role, not the JSON scaffolding.

@@ -155,7 +155,7 @@ pub async fn exchange(
         .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
 
     // Stream the body through as it arrives: SSE chunks are never held back.
-    while !no_body {
+    while !no_body && !http.is_body_done() {
         let chunk = match http.read_body_bytes().await {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
@@ -165,9 +165,6 @@ pub async fn exchange(
             .write_response_body(Some(chunk), false)
             .await
             .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
-        if http.is_body_done() {
-            break;
-        }
     }
     session
         .write_response_body(None, true)

@@ -16,14 +16,16 @@ impl Strategy for RoundRobin {
     }
 
     fn select(&self, _input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
-        let n = fleet.candidates.len();
+        // Rotate over the eligible set itself, so an ineligible target's turn is spread
+        // evenly instead of all landing on its neighbour.
+        let n = fleet.eligible().count();
         if n == 0 {
             return None;
         }
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|k| (start + k) % n)
-            .find(|&i| fleet.candidates[i].eligible && !fleet.excluded.contains(&i))
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        fleet
+            .eligible()
+            .nth(turn % n)
             .map(|target| Decision {
                 target,
                 reason: Reason::RoundRobin,

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: set-up, format and lint gates, every Rust test
+# in the workspace, then the Python interop tests against vLLM's wire format.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+cargo test --workspace
+
+if [ -d tests/python ]; then
+  cargo build -q -p rolter-loadtest --bins
+  export ROLTER_SIM_BIN="$PWD/target/debug/rolter-sim"
+  python3 -m unittest discover -s tests/python -v
+fi

@@ -1,0 +1,70 @@
+//! `rolter -t`: validating both config files and exiting with one line per problem.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+
+fn check(routes: &str) -> (bool, String) {
+    let dir = TempDir::new("cli");
+    let path = dir.0.join("routes.toml");
+    std::fs::write(&path, routes).unwrap();
+    let out = Command::new(rolter_bin())
+        .arg("-t")
+        .arg("--routes")
+        .arg(&path)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout),
+    )
+}
+
+#[test]
+fn test_flag_reports_each_problem_on_its_own_line() {
+    let toml = r#"
+[[providers]]
+name = "a"
+kind = "openai_compatible"
+api_base = "http//missing-colon"
+flavour = "spicy"
+
+[[routes]]
+model = "m"
+strategy = "round_robin"
+[[routes.targets]]
+provider = "nobody"
+model = "x"
+"#;
+    let (ok, out) = check(toml);
+    assert!(!ok, "{out}");
+    let lines: Vec<&str> = out.lines().filter(|l| l.contains("routes.toml: ")).collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines.iter().any(|l| l.contains("providers.0.flavour: unknown key")), "{out}");
+    assert!(lines.iter().any(|l| l.contains("unknown provider \"nobody\"")), "{out}");
+    assert!(lines.iter().any(|l| l.contains("api_base: bad URL")), "{out}");
+}
+
+#[test]
+fn test_flag_accepts_a_good_file_and_the_shipped_examples() {
+    let (ok, out) = check(&routes_toml(&["http://127.0.0.1:9".into()], "least_load", ""));
+    assert!(ok, "{out}");
+    assert!(out.contains("routing file ok"), "{out}");
+    for file in ["conf/rolter.example.toml", "conf/demo.toml"] {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/").to_string() + file).unwrap();
+        let (ok, out) = check(&text);
+        assert!(ok, "{file}: {out}");
+    }
+}
+
+#[test]
+fn test_flag_rejects_a_missing_file() {
+    let out = Command::new(rolter_bin())
+        .args(["-t", "--routes", "/nonexistent/rolter.toml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/rolter.toml: cannot read"));
+}

@@ -1,0 +1,213 @@
+//! Test harness: the real `rolter` binary on a loopback port in front of in-process
+//! stubs. Everything is bounded in time and torn down on drop.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[allow(unused_imports)]
+pub use rolter_loadtest::stub::{Behaviour, Stub};
+
+/// How long a gateway may take to come up.
+const STARTUP_LIMIT: Duration = Duration::from_secs(20);
+
+/// A running gateway process.
+pub struct Gateway {
+    pub child: Child,
+    pub port: u16,
+    pub routes: PathBuf,
+    pub dir: TempDir,
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!(
+            "rolter-test-{tag}-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The rolter binary cargo built for these tests.
+pub fn rolter_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_rolter")
+}
+
+/// A routing file with one provider per URL and one route over all of them.
+pub fn routes_toml(urls: &[String], strategy: &str, extra: &str) -> String {
+    let mut s = String::new();
+    for (i, u) in urls.iter().enumerate() {
+        s += &format!("[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n");
+    }
+    s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
+    for i in 0..urls.len() {
+        s += &format!("[[routes.targets]]\nprovider = \"p{i}\"\nmodel = \"upstream-model-{i}\"\n");
+    }
+    s += extra;
+    s
+}
+
+/// A minimal pingora YAML giving this gateway its own pid file and upgrade socket.
+fn pingora_yaml(dir: &std::path::Path) -> PathBuf {
+    let path = dir.join("pingora.yaml");
+    let yaml = format!(
+        "---\nversion: 1\nthreads: 2\npid_file: {0}/rolter.pid\nupgrade_sock: {0}/upgrade.sock\ngrace_period_seconds: 1\ngraceful_shutdown_timeout_seconds: 1\n",
+        dir.display()
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+impl Gateway {
+    /// Start the gateway with `routes` TOML and wait until it answers `/health`.
+    pub async fn start(routes: &str) -> Gateway {
+        let dir = TempDir::new("gw");
+        let routes_path = dir.0.join("routes.toml");
+        std::fs::File::create(&routes_path)
+            .unwrap()
+            .write_all(routes.as_bytes())
+            .unwrap();
+        let port = free_port();
+        let conf = pingora_yaml(&dir.0);
+        let child = Command::new(rolter_bin())
+            .arg("-c")
+            .arg(&conf)
+            .arg("--routes")
+            .arg(&routes_path)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn rolter");
+        let gw = Gateway {
+            child,
+            port,
+            routes: routes_path,
+            dir,
+        };
+        gw.wait_healthy().await;
+        gw
+    }
+
+    async fn wait_healthy(&self) {
+        let deadline = Instant::now() + STARTUP_LIMIT;
+        let client = reqwest::Client::new();
+        while Instant::now() < deadline {
+            if let Ok(r) = client.get(self.url("/health")).send().await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("gateway did not become healthy within {STARTUP_LIMIT:?}");
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The value of a metric line `name{labels}` (labels must match exactly), or None.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = reqwest::get(self.url("/metrics")).await.ok()?.text().await.ok()?;
+        text.lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Send a signal to the gateway process.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} failed");
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A chat request body for `model` with one user message.
+pub fn chat_body(model: &str, content: &str, stream: bool) -> String {
+    serde_json::json!({
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": content}]
+    })
+    .to_string()
+}
+
+/// POST a chat request to the gateway; returns (status, x-stub-id, body).
+pub async fn post_chat(gw: &Gateway, body: String) -> (u16, Option<String>, String) {
+    post_chat_with(gw, body, &[]).await
+}
+
+/// Same as [`post_chat`] with extra headers.
+pub async fn post_chat_with(gw: &Gateway, body: String, headers: &[(&str, &str)]) -> (u16, Option<String>, String) {
+    let client = reqwest::Client::new();
+    let mut req = client
+        .post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .timeout(Duration::from_secs(20))
+        .body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.expect("request to gateway");
+    let status = resp.status().as_u16();
+    let stub = resp
+        .headers()
+        .get("x-stub-id")
+        .map(|v| v.to_str().unwrap().to_string());
+    (status, stub, resp.text().await.unwrap())
+}
+
+/// Poll `check` until it returns true or `limit` passes.
+pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    false
+}
