@@ -28,6 +28,12 @@ pub struct Metrics {
     pub reloads: IntCounterVec,
     /// Upstream connections by whether they came from the pool (reused=true/false).
     pub upstream_connections: IntCounterVec,
+    /// Active health probes by provider and result.
+    pub health_checks: IntCounterVec,
+    /// 1 if a provider passes its health checks, else 0.
+    pub provider_healthy: IntGaugeVec,
+    /// Passive-health events per target: cooldown, circuit_open, circuit_close.
+    pub breaker_events: IntCounterVec,
 }
 
 /// The process-wide metrics.
@@ -82,6 +88,24 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["reused"]
     )
     .expect("register rolter_upstream_connections_total"),
+    health_checks: register_int_counter_vec!(
+        "rolter_health_checks_total",
+        "Active health probes by provider and result",
+        &["provider", "result"]
+    )
+    .expect("register rolter_health_checks_total"),
+    provider_healthy: register_int_gauge_vec!(
+        "rolter_provider_healthy",
+        "1 if the provider passes its active health checks, else 0",
+        &["provider"]
+    )
+    .expect("register rolter_provider_healthy"),
+    breaker_events: register_int_counter_vec!(
+        "rolter_breaker_events_total",
+        "Passive-health transitions per target (cooldown, circuit_open, circuit_close)",
+        &["target", "event"]
+    )
+    .expect("register rolter_breaker_events_total"),
 });
 
 /// Render every registered metric in the Prometheus text format.

@@ -5,8 +5,8 @@
 //! happens here, at load time, never per request), and swapping tables atomically.
 //! Must not: parse TOML (that is `config`) or decide routes (that is `routing`).
 
-use crate::config::{self, Config, ConfigError, LimitsConfig};
-use crate::fleet::{Registry, TargetKey, TargetState};
+use crate::config::{self, BreakerConfig, Config, ConfigError, HealthConfig, LimitsConfig};
+use crate::fleet::{ProviderHealth, Registry, TargetKey, TargetState};
 use crate::metrics::METRICS;
 use crate::routing::{self, Strategy};
 use arc_swap::ArcSwap;
@@ -60,13 +60,44 @@ pub struct Route {
     pub strategy: Box<dyn Strategy>,
     /// Targets in config order (indices are what strategies return).
     pub targets: Vec<RouteTarget>,
+    /// Whole-exchange limit for this route, if any.
+    pub total_timeout: Option<Duration>,
+}
+
+/// A provider as the health prober sees it.
+#[derive(Clone)]
+pub struct ProviderEntry {
+    /// Name from the routing file.
+    pub name: String,
+    /// Resolved address.
+    pub addr: SocketAddr,
+    /// `Host` header value.
+    pub host: String,
+    /// Active health-check settings.
+    pub health: HealthConfig,
+    /// Where probe results go.
+    pub state: Arc<ProviderHealth>,
+}
+
+impl PartialEq for ProviderEntry {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.addr == other.addr
+            && self.host == other.host
+            && self.health == other.health
+            && Arc::ptr_eq(&self.state, &other.state)
+    }
 }
 
 /// Everything one routing-file generation defines.
 pub struct RouteTable {
     routes: HashMap<String, Arc<Route>>,
+    /// Providers, in file order.
+    pub providers: Vec<ProviderEntry>,
     /// Size and time limits.
     pub limits: LimitsConfig,
+    /// Passive-health settings.
+    pub breaker: BreakerConfig,
     models_json: Bytes,
 }
 
@@ -85,14 +116,27 @@ impl RouteTable {
     pub fn build(config: &Config, origin: &str, registry: &Registry) -> Result<Self, LoadError> {
         let limits = config.limits.clone();
         let mut providers = HashMap::new();
+        let mut entries = Vec::new();
         for (index, p) in config.providers.iter().enumerate() {
-            providers.insert(
-                p.name.as_str(),
-                resolve_provider(&p.api_base, origin, index)?,
-            );
+            let resolved = resolve_provider(&p.api_base, origin, index)?;
+            entries.push(ProviderEntry {
+                name: p.name.clone(),
+                addr: resolved.addr,
+                host: resolved.host.clone(),
+                health: p.health.clone(),
+                state: registry.provider_health(&p.name),
+            });
+            providers.insert(p.name.as_str(), resolved);
         }
         let mut routes = HashMap::new();
         for r in &config.routes {
+            let ms = |route: Option<u64>, global: u64| route.unwrap_or(global);
+            let timeouts = PeerTimeouts {
+                connect_ms: ms(r.timeouts.connect_timeout_ms, limits.connect_timeout_ms),
+                read_ms: ms(r.timeouts.read_timeout_ms, limits.read_timeout_ms),
+                idle_ms: limits.upstream_idle_timeout_ms,
+            };
+            let total_ms = ms(r.timeouts.total_timeout_ms, limits.total_timeout_ms);
             let targets = r
                 .targets
                 .iter()
@@ -104,7 +148,7 @@ impl RouteTable {
                     };
                     RouteTarget {
                         state: registry.get_or_create(&key),
-                        peer: make_peer(up.addr, &limits),
+                        peer: make_peer(up.addr, &timeouts),
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
                         upstream_model: t.model.clone(),
@@ -116,6 +160,7 @@ impl RouteTable {
                 alias: r.model.clone(),
                 strategy: routing::build(r.strategy),
                 targets,
+                total_timeout: (total_ms > 0).then(|| Duration::from_millis(total_ms)),
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }
@@ -129,16 +174,20 @@ impl RouteTable {
             Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
         Ok(RouteTable {
             routes,
+            providers: entries,
             limits,
+            breaker: config.breaker.clone(),
             models_json,
         })
     }
 
     /// Whether any route has a target that may be chosen now (readiness).
     pub fn has_eligible_target(&self) -> bool {
-        self.routes
-            .values()
-            .any(|r| r.targets.iter().any(|t| t.state.eligible()))
+        self.routes.values().any(|r| {
+            r.targets
+                .iter()
+                .any(|t| t.state.eligible(crate::fleet::now_ms()))
+        })
     }
 
     /// Keys of every target this table routes to.
@@ -187,12 +236,18 @@ fn resolve_provider(
     })
 }
 
-fn make_peer(addr: SocketAddr, limits: &LimitsConfig) -> HttpPeer {
+struct PeerTimeouts {
+    connect_ms: u64,
+    read_ms: u64,
+    idle_ms: u64,
+}
+
+fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
     let mut peer = HttpPeer::new(addr, false, String::new());
-    peer.options.connection_timeout = Some(Duration::from_millis(limits.connect_timeout_ms));
-    peer.options.read_timeout = Some(Duration::from_millis(limits.read_timeout_ms));
-    peer.options.write_timeout = Some(Duration::from_millis(limits.read_timeout_ms));
-    peer.options.idle_timeout = Some(Duration::from_millis(limits.upstream_idle_timeout_ms));
+    peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
+    peer.options.read_timeout = Some(Duration::from_millis(t.read_ms));
+    peer.options.write_timeout = Some(Duration::from_millis(t.read_ms));
+    peer.options.idle_timeout = Some(Duration::from_millis(t.idle_ms));
     peer
 }
 

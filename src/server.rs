@@ -57,6 +57,10 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "rolter");
     proxy.add_tcp(&cli.listen);
     server.add_service(proxy);
+    server.add_service(background_service(
+        "health-checks",
+        crate::fleet::probe::HealthProber(runtime.clone()),
+    ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run_forever();

@@ -45,6 +45,8 @@ pub struct Behaviour {
     pub chunk_interval: Duration,
     /// Status code to answer with (non-2xx answers carry an OpenAI error body).
     pub status: u16,
+    /// Status code of `GET /health`.
+    pub health_status: u16,
 }
 
 impl Default for Behaviour {
@@ -54,6 +56,7 @@ impl Default for Behaviour {
             stream_chunks: 3,
             chunk_interval: Duration::from_millis(1),
             status: 200,
+            health_status: 200,
         }
     }
 }
@@ -70,7 +73,12 @@ struct Shared {
 pub struct Stub {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    task: tokio::task::JoinHandle<()>,
+    stop: Mutex<
+        Option<(
+            tokio::sync::oneshot::Sender<()>,
+            std::thread::JoinHandle<()>,
+        )>,
+    >,
 }
 
 impl Stub {
@@ -79,7 +87,9 @@ impl Stub {
         Self::start_on(id, "127.0.0.1:0".parse().expect("literal address")).await
     }
 
-    /// Start a stub on a given address.
+    /// Start a stub on a given address. The stub runs on its own thread and runtime, so
+    /// [`Stub::stop`] really kills it: the listener *and* every open connection close,
+    /// like a replica process dying.
     pub async fn start_on(id: &str, addr: SocketAddr) -> std::io::Result<Stub> {
         let shared = Arc::new(Shared {
             id: id.to_string(),
@@ -91,15 +101,36 @@ impl Stub {
         let app = Router::new()
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
-            .route("/health", get(|| async { "ok" }))
+            .route("/health", get(health))
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            let svc = app.into_make_service_with_connect_info::<SocketAddr>();
-            let _ = axum::serve(listener, svc).await;
-        });
-        Ok(Stub { addr, shared, task })
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("stub-{id}"))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("stub runtime");
+                rt.block_on(async move {
+                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                        return;
+                    };
+                    let svc = app.into_make_service_with_connect_info::<SocketAddr>();
+                    tokio::select! {
+                        _ = axum::serve(listener, svc) => {}
+                        _ = stop_rx => {}
+                    }
+                });
+                // Dropping the runtime drops every connection task with it.
+            })?;
+        Ok(Stub {
+            addr,
+            shared,
+            stop: Mutex::new(Some((stop_tx, thread))),
+        })
     }
 
     /// Where it listens.
@@ -132,16 +163,25 @@ impl Stub {
         *self.shared.behaviour.lock() = b;
     }
 
-    /// Stop serving (the port closes; later connections are refused).
+    /// Stop serving: the port and all open connections close; later connections are
+    /// refused. Idempotent.
     pub fn stop(&self) {
-        self.task.abort();
+        if let Some((tx, thread)) = self.stop.lock().take() {
+            let _ = tx.send(());
+            let _ = thread.join();
+        }
     }
 }
 
 impl Drop for Stub {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop();
     }
+}
+
+async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
+    let status = shared.behaviour.lock().health_status;
+    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 struct ActiveGuard(Arc<Shared>);

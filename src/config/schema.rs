@@ -27,6 +27,9 @@ pub struct Config {
     /// Request size and timeout limits.
     #[serde(default)]
     pub limits: LimitsConfig,
+    /// Passive health: cooldown and circuit breaking on failed requests.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
 }
 
 /// The kind of upstream API a provider speaks.
@@ -46,6 +49,71 @@ pub struct ProviderConfig {
     pub kind: ProviderKind,
     /// Base URL, `http://host:port` with an optional path prefix.
     pub api_base: String,
+    /// Active health checks (on by default).
+    #[serde(default)]
+    pub health: HealthConfig,
+}
+
+/// Default path probed by active health checks (vLLM serves `GET /health`).
+pub const DEFAULT_HEALTH_PATH: &str = "/health";
+
+/// Active health checks of one provider.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct HealthConfig {
+    /// Probe at all.
+    pub enabled: bool,
+    /// Path probed with `GET` (relative to the host, not to `api_base`'s prefix).
+    pub path: String,
+    /// Time between probes.
+    pub interval_ms: u64,
+    /// Connect + response timeout of one probe.
+    pub timeout_ms: u64,
+    /// Consecutive successes that make an unhealthy provider healthy again.
+    pub healthy_threshold: u32,
+    /// Consecutive failures that make a healthy provider unhealthy.
+    pub unhealthy_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            enabled: true,
+            path: DEFAULT_HEALTH_PATH.to_string(),
+            interval_ms: 2_000,
+            timeout_ms: 1_000,
+            healthy_threshold: 1,
+            unhealthy_threshold: 2,
+        }
+    }
+}
+
+/// Passive health: what failed requests do to a target's eligibility.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct BreakerConfig {
+    /// Consecutive failed requests (connect error, timeout, 5xx) that start a cooldown.
+    pub failure_threshold: u32,
+    /// First cooldown; each further cooldown in a row doubles it.
+    pub cooldown_ms: u64,
+    /// Longest cooldown.
+    pub max_cooldown_ms: u64,
+    /// Cooldowns in a row (without a success between) that open the circuit.
+    pub open_after_cooldowns: u32,
+    /// How long an open circuit stays open before one half-open probe request.
+    pub open_ms: u64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failure_threshold: 3,
+            cooldown_ms: 1_000,
+            max_cooldown_ms: 30_000,
+            open_after_cooldowns: 3,
+            open_ms: 10_000,
+        }
+    }
 }
 
 /// How a route picks one of its targets.
@@ -78,6 +146,21 @@ pub struct RouteConfig {
     /// Where requests for this alias may go.
     #[serde(default)]
     pub targets: Vec<TargetConfig>,
+    /// Per-route overrides of `[limits]` timeouts.
+    #[serde(default)]
+    pub timeouts: RouteTimeouts,
+}
+
+/// Per-route timeout overrides; unset keys fall back to `[limits]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct RouteTimeouts {
+    /// TCP connect timeout.
+    pub connect_timeout_ms: Option<u64>,
+    /// Idle read timeout on the upstream response.
+    pub read_timeout_ms: Option<u64>,
+    /// Whole-exchange limit (selection to last byte).
+    pub total_timeout_ms: Option<u64>,
 }
 
 /// One (provider, upstream model) a route may send to.
@@ -110,6 +193,9 @@ pub struct LimitsConfig {
     pub client_body_timeout_ms: u64,
     /// How long a pooled upstream connection may sit idle.
     pub upstream_idle_timeout_ms: u64,
+    /// Whole-exchange limit (selection to last byte); 0 = none. Exceeded before the
+    /// response started gives 504; after, the stream is cut.
+    pub total_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -120,6 +206,7 @@ impl Default for LimitsConfig {
             read_timeout_ms: DEFAULT_READ_TIMEOUT_MS,
             client_body_timeout_ms: DEFAULT_CLIENT_BODY_TIMEOUT_MS,
             upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+            total_timeout_ms: 0,
         }
     }
 }

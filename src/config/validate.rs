@@ -17,6 +17,22 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 p.name
             ));
         }
+        let h = &p.health;
+        if !h.path.starts_with('/') {
+            out.push(format!("providers[{i}].health.path: must start with '/'"));
+        }
+        for (key, value) in [
+            ("interval_ms", h.interval_ms),
+            ("timeout_ms", h.timeout_ms),
+            ("healthy_threshold", h.healthy_threshold as u64),
+            ("unhealthy_threshold", h.unhealthy_threshold as u64),
+        ] {
+            if value == 0 {
+                out.push(format!(
+                    "providers[{i}].health.{key}: must be greater than 0"
+                ));
+            }
+        }
         if let Err(why) = check_api_base(&p.api_base) {
             out.push(format!(
                 "providers[{i}].api_base: bad URL \"{}\": {why}",
@@ -61,6 +77,21 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                     t.provider, t.model
                 ));
             }
+        }
+    }
+    let b = &config.breaker;
+    for (key, value) in [
+        ("breaker.failure_threshold", b.failure_threshold as u64),
+        ("breaker.cooldown_ms", b.cooldown_ms),
+        ("breaker.max_cooldown_ms", b.max_cooldown_ms),
+        (
+            "breaker.open_after_cooldowns",
+            b.open_after_cooldowns as u64,
+        ),
+        ("breaker.open_ms", b.open_ms),
+    ] {
+        if value == 0 {
+            out.push(format!("{key}: must be greater than 0"));
         }
     }
     let l = &config.limits;

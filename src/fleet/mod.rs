@@ -2,15 +2,74 @@
 //! land, health, cooldown, circuit state and prefix state), keyed by
 //! (provider, upstream model).
 //!
-//! Owns: [`TargetState`], the [`Registry`] that hands out one state per key, and the
-//! RAII [`InflightGuard`]. Everything here is read on the request path, so it is atomics
-//! only — no locks. Must not: make routing decisions (that is `routing`) or do I/O.
+//! Owns: [`TargetState`], per-provider active health ([`ProviderHealth`]), the
+//! [`Registry`] that hands out one state per key, and the RAII [`InflightGuard`].
+//! Everything read on the request path is atomics — no locks. Must not: make routing
+//! decisions (that is `routing`). The only I/O is the health prober in [`probe`].
+
+pub mod breaker;
+pub mod probe;
 
 use crate::metrics::METRICS;
+use breaker::Breaker;
 use dashmap::DashMap;
 use prometheus::IntGauge;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Milliseconds on the process's monotonic clock (the breakers' time base).
+pub fn now_ms() -> u64 {
+    EPOCH.elapsed().as_millis() as u64
+}
+
+/// Active health of one provider (all its targets share it), fed by [`probe`].
+/// New providers start healthy, like pingora-load-balancing's backends.
+#[derive(Debug)]
+pub struct ProviderHealth {
+    healthy: AtomicBool,
+    /// Consecutive probe results that disagree with `healthy`.
+    streak: AtomicU32,
+}
+
+impl Default for ProviderHealth {
+    fn default() -> Self {
+        ProviderHealth {
+            healthy: AtomicBool::new(true),
+            streak: AtomicU32::new(0),
+        }
+    }
+}
+
+impl ProviderHealth {
+    /// Whether the last probes say the provider is up.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// Record one probe result; flips after `threshold` consecutive disagreeing results.
+    /// Returns true if the health flipped.
+    pub fn observe(&self, ok: bool, healthy_threshold: u32, unhealthy_threshold: u32) -> bool {
+        let healthy = self.is_healthy();
+        if ok == healthy {
+            self.streak.store(0, Ordering::Release);
+            return false;
+        }
+        let threshold = if ok {
+            healthy_threshold
+        } else {
+            unhealthy_threshold
+        };
+        if self.streak.fetch_add(1, Ordering::AcqRel) + 1 >= threshold {
+            self.streak.store(0, Ordering::Release);
+            self.healthy.store(ok, Ordering::Release);
+            return true;
+        }
+        false
+    }
+}
 
 /// Identity of a target across reloads.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,10 +94,13 @@ pub struct TargetState {
     label: String,
     inflight: AtomicU64,
     inflight_gauge: IntGauge,
+    health: Arc<ProviderHealth>,
+    /// Passive health (cooldown, circuit).
+    pub breaker: Breaker,
 }
 
 impl TargetState {
-    fn new(key: TargetKey) -> Self {
+    fn new(key: TargetKey, health: Arc<ProviderHealth>) -> Self {
         let label = key.label();
         let inflight_gauge = METRICS.inflight.with_label_values(&[&label]);
         inflight_gauge.set(0);
@@ -47,6 +109,8 @@ impl TargetState {
             label,
             inflight: AtomicU64::new(0),
             inflight_gauge,
+            health,
+            breaker: Breaker::default(),
         }
     }
 
@@ -65,9 +129,15 @@ impl TargetState {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// Whether the target may be chosen now.
-    pub fn eligible(&self) -> bool {
-        true
+    /// Whether the target may be chosen at `now_ms`: its provider passes health
+    /// checks, it is not cooling down, and its circuit is closed or ready to probe.
+    pub fn eligible(&self, now_ms: u64) -> bool {
+        self.health.is_healthy() && self.breaker.eligible(now_ms)
+    }
+
+    /// The provider's active health.
+    pub fn health(&self) -> &Arc<ProviderHealth> {
+        &self.health
     }
 
     /// Count a request in flight until the returned guard drops.
@@ -102,6 +172,7 @@ impl Drop for InflightGuard {
 #[derive(Debug, Default)]
 pub struct Registry {
     targets: DashMap<TargetKey, Arc<TargetState>>,
+    providers: DashMap<String, Arc<ProviderHealth>>,
 }
 
 impl Registry {
@@ -110,16 +181,31 @@ impl Registry {
         if let Some(t) = self.targets.get(key) {
             return t.clone();
         }
+        let health = self.provider_health(&key.provider);
         self.targets
             .entry(key.clone())
-            .or_insert_with(|| Arc::new(TargetState::new(key.clone())))
+            .or_insert_with(|| Arc::new(TargetState::new(key.clone(), health)))
             .clone()
     }
 
-    /// Forget targets not in `keep` (after a reload removed them). States still held by
-    /// in-flight requests live on until those finish.
+    /// The active-health record of a provider, created on first use.
+    pub fn provider_health(&self, provider: &str) -> Arc<ProviderHealth> {
+        if let Some(h) = self.providers.get(provider) {
+            return h.clone();
+        }
+        self.providers
+            .entry(provider.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Forget targets not in `keep` (after a reload removed them), and providers no
+    /// remaining target uses. States still held by in-flight requests live on until
+    /// those finish.
     pub fn retain(&self, keep: &std::collections::HashSet<TargetKey>) {
         self.targets.retain(|k, _| keep.contains(k));
+        self.providers
+            .retain(|name, _| keep.iter().any(|k| &k.provider == name));
     }
 
     /// Number of known targets.

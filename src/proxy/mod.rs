@@ -24,6 +24,8 @@ pub mod body;
 pub mod error;
 pub mod upstream;
 
+use crate::fleet::breaker::Outcome;
+use crate::fleet::now_ms;
 use crate::metrics::METRICS;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
 use crate::routing::{Candidate, FleetView, RouteInput};
@@ -151,13 +153,15 @@ impl Gateway {
     ) -> Result<(), GatewayError> {
         let mut excluded = Vec::new();
         let mut last_error = None;
-        for _ in 0..MAX_ATTEMPTS {
+        // Each pass either makes an attempt or excludes a target, so this terminates.
+        while ctx.attempts < MAX_ATTEMPTS && excluded.len() < route.targets.len() {
+            let now = now_ms();
             let candidates: Vec<Candidate> = route
                 .targets
                 .iter()
                 .map(|t| Candidate {
                     inflight: t.state.inflight(),
-                    eligible: t.state.eligible(),
+                    eligible: t.state.eligible(now),
                     weight: t.weight,
                 })
                 .collect();
@@ -169,6 +173,11 @@ impl Gateway {
                 break;
             };
             let target = &route.targets[decision.target];
+            if !target.state.breaker.admit(now) {
+                // Another request took this open circuit's single half-open probe.
+                excluded.push(decision.target);
+                continue;
+            }
             ctx.attempts += 1;
             ctx.target = Some(target.state.label().to_string());
             ctx.reason = decision.reason.as_str();
@@ -200,7 +209,7 @@ impl Gateway {
                     route.strategy.record(input, decision.target);
                 }
             };
-            let result = upstream::exchange(
+            let exchange = upstream::exchange(
                 &self.connector,
                 &up,
                 session,
@@ -208,8 +217,35 @@ impl Gateway {
                 &upstream_body,
                 started,
                 record,
-            )
-            .await;
+            );
+            let result = match route.total_timeout {
+                None => exchange.await,
+                Some(limit) => match tokio::time::timeout(limit, exchange).await {
+                    Ok(result) => result,
+                    Err(_) => Err(ExchangeError::Final(GatewayError::UpstreamTimeout {
+                        target: target.state.label().to_string(),
+                        reason: format!("no complete response within {} ms", limit.as_millis()),
+                    })),
+                },
+            };
+            let outcome = match &result {
+                Ok(o) if o.status >= 500 => Outcome::Failure,
+                Ok(_) => Outcome::Success,
+                Err(ExchangeError::Retryable(_)) => Outcome::Failure,
+                Err(ExchangeError::Final(GatewayError::ClientGone(_))) => Outcome::Abandoned,
+                Err(ExchangeError::Final(_)) => Outcome::Failure,
+            };
+            if let Some(t) = target
+                .state
+                .breaker
+                .report(outcome, now_ms(), &table.breaker)
+            {
+                log::warn!("target {}: {}", target.state.label(), t.as_str());
+                METRICS
+                    .breaker_events
+                    .with_label_values(&[target.state.label(), t.as_str()])
+                    .inc();
+            }
             match result {
                 Ok(outcome) => {
                     ctx.status = outcome.status;

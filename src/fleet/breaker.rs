@@ -1,0 +1,258 @@
+//! Passive health of one target: consecutive failures → cooldown (growing on repeat) →
+//! open circuit → one half-open probe request → closed again on success.
+//!
+//! Read on every request for every target, so the read side ([`Breaker::eligible`]) is
+//! two atomic loads; transitions happen under a per-target mutex taken only when a
+//! request fails or a non-closed breaker sees a success. Time is passed in (ms on any
+//! monotonic clock), so the state machine is unit-tested without sleeping.
+
+use crate::config::BreakerConfig;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+
+const CLOSED: u8 = 0;
+const OPEN: u8 = 1;
+const HALF_OPEN: u8 = 2;
+
+/// Circuit state, for metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CircuitState {
+    /// Normal (possibly cooling down after failures).
+    Closed,
+    /// Refusing traffic until the back-off ends.
+    Open,
+    /// One probe request is in flight.
+    HalfOpen,
+}
+
+/// How a request on a target ended, as far as the target's health is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream answered (any status below 500).
+    Success,
+    /// Connect failure, timeout, reset or 5xx.
+    Failure,
+    /// Neither: the client left, or the request never reached the upstream.
+    Abandoned,
+}
+
+/// A state change worth counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// A cooldown started.
+    Cooldown,
+    /// The circuit opened (or re-opened after a failed probe).
+    CircuitOpened,
+    /// A success closed an open / half-open circuit.
+    CircuitClosed,
+}
+
+impl Transition {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transition::Cooldown => "cooldown",
+            Transition::CircuitOpened => "circuit_open",
+            Transition::CircuitClosed => "circuit_close",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    failures: u32,
+    cooldowns_in_row: u32,
+}
+
+/// One target's breaker.
+#[derive(Debug, Default)]
+pub struct Breaker {
+    state: AtomicU8,
+    /// No traffic before this time (cooldown end, or open circuit's probe time).
+    blocked_until_ms: AtomicU64,
+    /// Mirror of `Counters::failures != 0` so the success path needs no lock.
+    dirty: AtomicU32,
+    counters: Mutex<Counters>,
+}
+
+impl Breaker {
+    /// The circuit's state.
+    pub fn state(&self) -> CircuitState {
+        match self.state.load(Ordering::Acquire) {
+            OPEN => CircuitState::Open,
+            HALF_OPEN => CircuitState::HalfOpen,
+            _ => CircuitState::Closed,
+        }
+    }
+
+    /// Whether a request may be routed here at `now_ms`.
+    pub fn eligible(&self, now_ms: u64) -> bool {
+        match self.state.load(Ordering::Acquire) {
+            HALF_OPEN => false,
+            _ => now_ms >= self.blocked_until_ms.load(Ordering::Acquire),
+        }
+    }
+
+    /// Claim the right to send a request that was just routed here. Always true for a
+    /// closed circuit; for an open one past its back-off, true for exactly one caller
+    /// (the half-open probe).
+    pub fn admit(&self, now_ms: u64) -> bool {
+        match self.state.load(Ordering::Acquire) {
+            CLOSED => true,
+            HALF_OPEN => false,
+            _ => {
+                now_ms >= self.blocked_until_ms.load(Ordering::Acquire)
+                    && self
+                        .state
+                        .compare_exchange(OPEN, HALF_OPEN, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+            }
+        }
+    }
+
+    /// Record how an admitted request ended; returns the transition it caused, if any.
+    pub fn report(&self, outcome: Outcome, now_ms: u64, cfg: &BreakerConfig) -> Option<Transition> {
+        match outcome {
+            Outcome::Success => {
+                if self.dirty.load(Ordering::Acquire) == 0
+                    && self.state.load(Ordering::Acquire) == CLOSED
+                {
+                    return None;
+                }
+                let mut c = self.counters.lock();
+                *c = Counters::default();
+                self.dirty.store(0, Ordering::Release);
+                self.blocked_until_ms.store(0, Ordering::Release);
+                let was = self.state.swap(CLOSED, Ordering::AcqRel);
+                (was != CLOSED).then_some(Transition::CircuitClosed)
+            }
+            Outcome::Abandoned => {
+                // A probe that told us nothing frees the slot for the next probe.
+                let _ = self.state.compare_exchange(
+                    HALF_OPEN,
+                    OPEN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                None
+            }
+            Outcome::Failure => {
+                let mut c = self.counters.lock();
+                if self.state.load(Ordering::Acquire) == HALF_OPEN {
+                    self.open(now_ms, cfg);
+                    return Some(Transition::CircuitOpened);
+                }
+                c.failures += 1;
+                self.dirty.store(1, Ordering::Release);
+                if c.failures < cfg.failure_threshold {
+                    return None;
+                }
+                c.failures = 0;
+                c.cooldowns_in_row += 1;
+                if c.cooldowns_in_row >= cfg.open_after_cooldowns {
+                    c.cooldowns_in_row = 0;
+                    self.open(now_ms, cfg);
+                    Some(Transition::CircuitOpened)
+                } else {
+                    let factor = 1u64 << (c.cooldowns_in_row - 1).min(20);
+                    let cooldown = cfg
+                        .cooldown_ms
+                        .saturating_mul(factor)
+                        .min(cfg.max_cooldown_ms);
+                    self.blocked_until_ms
+                        .store(now_ms + cooldown, Ordering::Release);
+                    Some(Transition::Cooldown)
+                }
+            }
+        }
+    }
+
+    fn open(&self, now_ms: u64, cfg: &BreakerConfig) {
+        self.blocked_until_ms
+            .store(now_ms + cfg.open_ms, Ordering::Release);
+        self.state.store(OPEN, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> BreakerConfig {
+        BreakerConfig {
+            failure_threshold: 2,
+            cooldown_ms: 100,
+            max_cooldown_ms: 150,
+            open_after_cooldowns: 3,
+            open_ms: 1_000,
+        }
+    }
+
+    #[test]
+    fn failures_below_threshold_keep_it_eligible_and_success_resets() {
+        let b = Breaker::default();
+        b.report(Outcome::Failure, 0, &cfg());
+        assert!(b.eligible(0));
+        b.report(Outcome::Success, 1, &cfg());
+        b.report(Outcome::Failure, 2, &cfg());
+        assert!(b.eligible(2), "the success must have reset the count");
+    }
+
+    #[test]
+    fn cooldown_grows_then_caps_then_the_circuit_opens() {
+        let (b, c) = (Breaker::default(), cfg());
+        b.report(Outcome::Failure, 0, &c);
+        b.report(Outcome::Failure, 0, &c);
+        assert!(
+            !b.eligible(99) && b.eligible(100),
+            "first cooldown is 100 ms"
+        );
+        b.report(Outcome::Failure, 100, &c);
+        b.report(Outcome::Failure, 100, &c);
+        assert!(
+            !b.eligible(249) && b.eligible(250),
+            "second is min(200, 150)"
+        );
+        assert_eq!(b.state(), CircuitState::Closed);
+        b.report(Outcome::Failure, 250, &c);
+        b.report(Outcome::Failure, 250, &c);
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(!b.eligible(1_249) && !b.admit(1_249));
+    }
+
+    #[test]
+    fn half_open_admits_one_probe_and_closes_on_success() {
+        let (b, c) = (Breaker::default(), cfg());
+        for _ in 0..6 {
+            b.report(Outcome::Failure, 0, &c);
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(b.eligible(1_000));
+        assert!(b.admit(1_000), "first caller gets the probe");
+        assert!(!b.admit(1_000), "only one probe at a time");
+        assert!(!b.eligible(1_000));
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        b.report(Outcome::Success, 1_010, &c);
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.eligible(1_010) && b.admit(1_010));
+    }
+
+    #[test]
+    fn failed_probe_reopens_and_abandoned_probe_frees_the_slot() {
+        let (b, c) = (Breaker::default(), cfg());
+        for _ in 0..6 {
+            b.report(Outcome::Failure, 0, &c);
+        }
+        assert!(b.admit(1_000));
+        b.report(Outcome::Failure, 1_000, &c);
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(!b.eligible(1_999) && b.eligible(2_000));
+        assert!(b.admit(2_000));
+        b.report(Outcome::Abandoned, 2_001, &c);
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(
+            b.admit(2_001),
+            "abandoned probe lets the next request probe"
+        );
+    }
+}

@@ -1,0 +1,112 @@
+//! Active health checks: a pingora background service that probes every provider of
+//! the live route table with `GET <health.path>` on its interval, using
+//! pingora-load-balancing's `HttpHealthCheck` for the probe itself, and feeds the
+//! results into each provider's [`ProviderHealth`](super::ProviderHealth).
+//!
+//! Reads the table through the runtime on every tick, so providers added or removed by
+//! a reload are picked up without restarting the service.
+
+use crate::metrics::METRICS;
+use crate::runtime::{ProviderEntry, Runtime};
+use async_trait::async_trait;
+use pingora::lb::health_check::{HealthCheck, HttpHealthCheck};
+use pingora::lb::Backend;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How often the service looks for due probes.
+const TICK: Duration = Duration::from_millis(100);
+
+/// The health-check background service.
+pub struct HealthProber(pub Arc<Runtime>);
+
+struct Probe {
+    check: Arc<HttpHealthCheck>,
+    /// The provider entry the check was built for (rebuilt if a reload changed it).
+    entry: ProviderEntry,
+    next_due: Instant,
+}
+
+fn build_check(entry: &ProviderEntry) -> HttpHealthCheck {
+    let mut check = HttpHealthCheck::new(&entry.host, false);
+    check.req = pingora::http::RequestHeader::build("GET", entry.health.path.as_bytes(), None)
+        .expect("validated health path");
+    check
+        .req
+        .insert_header("host", entry.host.as_str())
+        .expect("host header");
+    let timeout = Some(Duration::from_millis(entry.health.timeout_ms));
+    check.peer_template.options.connection_timeout = timeout;
+    check.peer_template.options.read_timeout = timeout;
+    check.peer_template.options.write_timeout = timeout;
+    check
+}
+
+#[async_trait]
+impl BackgroundService for HealthProber {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut probes: HashMap<String, Probe> = HashMap::new();
+        let mut ticker = tokio::time::interval(TICK);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            let table = self.0.table();
+            probes.retain(|name, _| table.providers.iter().any(|p| &p.name == name));
+            let now = Instant::now();
+            for entry in table.providers.iter().filter(|p| p.health.enabled) {
+                let probe = probes.entry(entry.name.clone()).or_insert_with(|| Probe {
+                    check: Arc::new(build_check(entry)),
+                    entry: entry.clone(),
+                    next_due: now,
+                });
+                if probe.entry != *entry {
+                    probe.check = Arc::new(build_check(entry));
+                    probe.entry = entry.clone();
+                }
+                if now < probe.next_due {
+                    continue;
+                }
+                probe.next_due = now + Duration::from_millis(entry.health.interval_ms);
+                let (check, entry) = (probe.check.clone(), entry.clone());
+                tokio::spawn(async move {
+                    let backend = Backend {
+                        addr: pingora::protocols::l4::socket::SocketAddr::Inet(entry.addr),
+                        weight: 1,
+                        ext: Default::default(),
+                    };
+                    let limit = Duration::from_millis(entry.health.timeout_ms * 2);
+                    let ok = matches!(
+                        tokio::time::timeout(limit, check.check(&backend)).await,
+                        Ok(Ok(()))
+                    );
+                    METRICS
+                        .health_checks
+                        .with_label_values(&[entry.name.as_str(), if ok { "ok" } else { "failed" }])
+                        .inc();
+                    let h = &entry.state;
+                    if h.observe(
+                        ok,
+                        entry.health.healthy_threshold,
+                        entry.health.unhealthy_threshold,
+                    ) {
+                        log::warn!(
+                            "provider {} is now {}",
+                            entry.name,
+                            if ok { "healthy" } else { "unhealthy" }
+                        );
+                    }
+                    METRICS
+                        .provider_healthy
+                        .with_label_values(&[&entry.name])
+                        .set(i64::from(h.is_healthy()));
+                });
+            }
+        }
+    }
+}
