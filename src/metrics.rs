@@ -34,6 +34,12 @@ pub struct Metrics {
     pub provider_healthy: IntGaugeVec,
     /// Passive-health events per target: cooldown, circuit_open, circuit_close.
     pub breaker_events: IntCounterVec,
+    /// Prefix match score of routed requests, by strategy.
+    pub prefix_score: HistogramVec,
+    /// Prefix trie nodes per target (refreshed at scrape time).
+    pub trie_nodes: IntGaugeVec,
+    /// Prompts evicted from a target's trie by its node cap (refreshed at scrape time).
+    pub trie_evictions: IntGaugeVec,
 }
 
 /// The process-wide metrics.
@@ -106,6 +112,25 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["target", "event"]
     )
     .expect("register rolter_breaker_events_total"),
+    prefix_score: register_histogram_vec!(
+        "rolter_prefix_match_score",
+        "Best prefix match score (0..1) of routed requests, by strategy",
+        &["strategy"],
+        vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0]
+    )
+    .expect("register rolter_prefix_match_score"),
+    trie_nodes: register_int_gauge_vec!(
+        "rolter_trie_nodes",
+        "Nodes in a target's prefix trie",
+        &["target"]
+    )
+    .expect("register rolter_trie_nodes"),
+    trie_evictions: register_int_gauge_vec!(
+        "rolter_trie_evictions",
+        "Prompts evicted from a target's prefix trie by its node cap (cumulative)",
+        &["target"]
+    )
+    .expect("register rolter_trie_evictions"),
 });
 
 /// Render every registered metric in the Prometheus text format.

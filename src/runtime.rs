@@ -146,8 +146,11 @@ impl RouteTable {
                         provider: t.provider.clone(),
                         model: t.model.clone(),
                     };
+                    let state = registry.get_or_create(&key);
+                    // A target shared by routes with different caps takes the last one.
+                    state.trie.set_max_nodes(r.trie_max_nodes);
                     RouteTarget {
-                        state: registry.get_or_create(&key),
+                        state,
                         peer: make_peer(up.addr, &timeouts),
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
@@ -158,7 +161,7 @@ impl RouteTable {
                 .collect();
             let route = Route {
                 alias: r.model.clone(),
-                strategy: routing::build(r.strategy),
+                strategy: routing::build(r),
                 targets,
                 total_timeout: (total_ms > 0).then(|| Duration::from_millis(total_ms)),
             };

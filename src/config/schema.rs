@@ -124,6 +124,8 @@ pub enum StrategyKind {
     RoundRobin,
     /// Fewest requests in flight, random tiebreak.
     LeastLoad,
+    /// Longest cached prefix (per-target prompt tries), with an overload guard.
+    CacheAware,
 }
 
 impl StrategyKind {
@@ -132,6 +134,7 @@ impl StrategyKind {
         match self {
             StrategyKind::RoundRobin => "round_robin",
             StrategyKind::LeastLoad => "least_load",
+            StrategyKind::CacheAware => "cache_aware",
         }
     }
 }
@@ -149,6 +152,20 @@ pub struct RouteConfig {
     /// Per-route overrides of `[limits]` timeouts.
     #[serde(default)]
     pub timeouts: RouteTimeouts,
+    /// Minimum prefix score to pin a request to its best-matching target (cache_aware).
+    #[serde(default = "default_cache_threshold")]
+    pub cache_threshold: f64,
+    /// Node ceiling of each target's prefix trie.
+    #[serde(default = "default_trie_max_nodes")]
+    pub trie_max_nodes: usize,
+}
+
+fn default_cache_threshold() -> f64 {
+    crate::routing::cache_aware::DEFAULT_CACHE_THRESHOLD
+}
+
+fn default_trie_max_nodes() -> usize {
+    crate::prefix::trie::DEFAULT_MAX_NODES
 }
 
 /// Per-route timeout overrides; unset keys fall back to `[limits]`.

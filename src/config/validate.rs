@@ -55,6 +55,15 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "routes[{i}].targets: a route needs at least one target"
             ));
         }
+        if !(0.0..=1.0).contains(&r.cache_threshold) {
+            out.push(format!("routes[{i}].cache_threshold: must be between 0 and 1"));
+        }
+        if r.trie_max_nodes < 2 || r.trie_max_nodes > crate::prefix::trie::MAX_NODES_LIMIT {
+            out.push(format!(
+                "routes[{i}].trie_max_nodes: must be between 2 and {}",
+                crate::prefix::trie::MAX_NODES_LIMIT
+            ));
+        }
         let mut seen = HashSet::new();
         for (j, t) in r.targets.iter().enumerate() {
             if !names.contains(t.provider.as_str()) {

@@ -11,6 +11,7 @@ pub mod breaker;
 pub mod probe;
 
 use crate::metrics::METRICS;
+use crate::prefix::PrefixTrie;
 use breaker::Breaker;
 use dashmap::DashMap;
 use prometheus::IntGauge;
@@ -97,6 +98,8 @@ pub struct TargetState {
     health: Arc<ProviderHealth>,
     /// Passive health (cooldown, circuit).
     pub breaker: Breaker,
+    /// Prompts this target has served (cache_aware / pipeline prefix state).
+    pub trie: PrefixTrie,
 }
 
 impl TargetState {
@@ -111,6 +114,7 @@ impl TargetState {
             inflight_gauge,
             health,
             breaker: Breaker::default(),
+            trie: PrefixTrie::default(),
         }
     }
 
@@ -206,6 +210,11 @@ impl Registry {
         self.targets.retain(|k, _| keep.contains(k));
         self.providers
             .retain(|name, _| keep.iter().any(|k| &k.provider == name));
+    }
+
+    /// Every known target's state.
+    pub fn targets(&self) -> Vec<Arc<TargetState>> {
+        self.targets.iter().map(|e| e.value().clone()).collect()
     }
 
     /// Number of known targets.

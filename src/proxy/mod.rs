@@ -163,6 +163,7 @@ impl Gateway {
                     inflight: t.state.inflight(),
                     eligible: t.state.eligible(now),
                     weight: t.weight,
+                    prefix: Some(&t.state.trie),
                 })
                 .collect();
             let view = FleetView {
@@ -204,9 +205,15 @@ impl Gateway {
                 label: target.state.label(),
                 idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
             };
+            if let Some(score) = decision.score {
+                METRICS
+                    .prefix_score
+                    .with_label_values(&[route.strategy.name()])
+                    .observe(score);
+            }
             let record = |status: u16| {
                 if (200..300).contains(&status) {
-                    route.strategy.record(input, decision.target);
+                    route.strategy.record(input, &view, decision.target);
                 }
             };
             let exchange = upstream::exchange(
@@ -290,11 +297,18 @@ impl Gateway {
                     )
                 }
             }
-            "/metrics" => (
-                200,
-                "text/plain; version=0.0.4",
-                Bytes::from(crate::metrics::render()),
-            ),
+            "/metrics" => {
+                for t in self.runtime.registry().targets() {
+                    let label = [t.label()];
+                    METRICS.trie_nodes.with_label_values(&label).set(t.trie.node_count() as i64);
+                    METRICS.trie_evictions.with_label_values(&label).set(t.trie.evictions() as i64);
+                }
+                (
+                    200,
+                    "text/plain; version=0.0.4",
+                    Bytes::from(crate::metrics::render()),
+                )
+            }
             _ => (200, "application/json", self.runtime.table().models_json()),
         };
         ctx.status = status;

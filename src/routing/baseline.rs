@@ -54,11 +54,12 @@ mod tests {
     use super::*;
     use crate::routing::Candidate;
 
-    fn c(inflight: u64, eligible: bool) -> Candidate {
+    fn c(inflight: u64, eligible: bool) -> Candidate<'static> {
         Candidate {
             inflight,
             eligible,
             weight: 1,
+            prefix: None,
         }
     }
 

@@ -7,10 +7,13 @@
 //! request) is optional. Each strategy lives in its own file with its tests.
 
 mod baseline;
+pub mod cache_aware;
 
 pub use baseline::{LeastLoad, RoundRobin};
+pub use cache_aware::CacheAware;
 
-use crate::config::StrategyKind;
+use crate::config::{RouteConfig, StrategyKind};
+use crate::prefix::PrefixTrie;
 
 /// What a strategy may look at in a request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,28 +27,30 @@ pub struct RouteInput<'a> {
 }
 
 /// A route target as the strategy sees it at decision time.
-#[derive(Debug, Clone, Copy)]
-pub struct Candidate {
+#[derive(Clone, Copy)]
+pub struct Candidate<'a> {
     /// Requests in flight on this target right now.
     pub inflight: u64,
     /// Healthy, not cooling down, circuit not open.
     pub eligible: bool,
     /// Configured weight (≥ 1).
     pub weight: u32,
+    /// Prompts this target has served (cache_aware, pipeline).
+    pub prefix: Option<&'a PrefixTrie>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct FleetView<'a> {
     /// One entry per route target.
-    pub candidates: &'a [Candidate],
+    pub candidates: &'a [Candidate<'a>],
     /// Indices already tried (and failed) for this request; never chosen again.
     pub excluded: &'a [usize],
 }
 
 impl<'a> FleetView<'a> {
     /// A view with nothing excluded.
-    pub fn new(candidates: &'a [Candidate]) -> Self {
+    pub fn new(candidates: &'a [Candidate<'a>]) -> Self {
         FleetView {
             candidates,
             excluded: &[],
@@ -83,6 +88,14 @@ pub enum Reason {
     RoundRobin,
     /// Fewest requests in flight.
     LeastLoad,
+    /// Prefix score at or above the threshold, target not overloaded.
+    CacheHit,
+    /// Best prefix score below the threshold: least-loaded (then least-warmed).
+    BelowThreshold,
+    /// Best-scoring target overloaded: least-loaded instead.
+    Overloaded,
+    /// Nothing to score (empty prompt, no token ids, ...): least-loaded.
+    Fallback,
 }
 
 impl Reason {
@@ -91,6 +104,10 @@ impl Reason {
         match self {
             Reason::RoundRobin => "round_robin",
             Reason::LeastLoad => "least_load",
+            Reason::CacheHit => "cache_hit",
+            Reason::BelowThreshold => "below_threshold",
+            Reason::Overloaded => "overloaded",
+            Reason::Fallback => "fallback",
         }
     }
 }
@@ -114,15 +131,16 @@ pub trait Strategy: Send + Sync {
     /// Pick an eligible target, or `None` if there is none.
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
 
-    /// Learn from a request that was forwarded to `target` (default: nothing to learn).
-    fn record(&self, _input: &RouteInput, _target: usize) {}
+    /// Learn from a request that `target` accepted (default: nothing to learn).
+    fn record(&self, _input: &RouteInput, _fleet: &FleetView, _target: usize) {}
 }
 
-/// Build the strategy named in a route.
-pub fn build(kind: StrategyKind) -> Box<dyn Strategy> {
-    match kind {
+/// Build the strategy a route asks for.
+pub fn build(route: &RouteConfig) -> Box<dyn Strategy> {
+    match route.strategy {
         StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
         StrategyKind::LeastLoad => Box::new(LeastLoad),
+        StrategyKind::CacheAware => Box::new(CacheAware::new(route.cache_threshold)),
     }
 }
 
