@@ -1,1 +1,7 @@
-//! TODO
+//! Prefix data structures the cache-aware strategies score against.
+//!
+//! Plain in-memory data structures only: no pingora, no tokio, no sockets, no I/O.
+
+pub mod trie;
+
+pub use trie::PrefixTrie;
