@@ -10,6 +10,7 @@ pub mod config;
 pub mod demo;
 pub mod fleet;
 pub mod metrics;
+pub mod prefix;
 pub mod prompt;
 pub mod proxy;
 pub mod routing;

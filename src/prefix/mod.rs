@@ -1,0 +1,7 @@
+//! Prefix data structures the cache-aware strategies score against.
+//!
+//! Plain in-memory data structures only: no pingora, no tokio, no sockets, no I/O.
+
+pub mod trie;
+
+pub use trie::PrefixTrie;

@@ -1,0 +1,1674 @@
+//! Per-target prefix trie: which prompt prefixes a target has served (SPEC §4 cache_aware).
+//!
+//! HEADER_PLACEHOLDER
+
+use parking_lot::Mutex;
+use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{fence, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
+
+/// Default node ceiling per trie (SPEC §2 `trie_max_nodes`, SPEC §4).
+pub const DEFAULT_MAX_NODES: usize = 1_000_000;
+
+/// Largest accepted node ceiling: slot ids are `u32` with `u32::MAX` reserved, and 2^30 slots
+/// (~100 GB) is far beyond any sane per-target budget.
+pub const MAX_NODES_LIMIT: usize = 1 << 30;
+
+/// Most edge-label bytes one node holds: one 64-byte cache line, so a node slot is 96 bytes and
+/// the 1M-node default stays under the 100 MiB per-target budget of issue 4.
+pub const LABEL_BYTES: usize = 64;
+
+/// `LABEL_BYTES` as little-endian `u64` words.
+const LABEL_WORDS: usize = LABEL_BYTES / 8;
+
+/// Children held by one overflow child block (12 key bytes + 12 `u32` ids fill a 64-byte label).
+const KIDS_PER_BLOCK: usize = 12;
+
+/// A node has at most one child per distinct first byte.
+const MAX_FANOUT: usize = 256;
+
+/// Longest overflow block chain a node can have; bounds optimistic readers on torn state.
+const MAX_BLOCKS: usize = MAX_FANOUT.div_ceil(KIDS_PER_BLOCK);
+
+/// log2 of slots per arena segment: 1024 slots = 80 KiB of shared memory per segment, small
+/// enough that an idle target's trie costs little, large enough that the directory stays tiny.
+const SEG_SHIFT: u32 = 10;
+const SEG_SLOTS: usize = 1 << SEG_SHIFT;
+
+/// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
+/// progress under a write storm; in practice the first attempt succeeds).
+const OPTIMISTIC_ATTEMPTS: usize = 4;
+
+const NIL: u32 = u32::MAX;
+const ROOT: u32 = 0;
+/// Bit in `WMeta::end` marking a node where a stored prompt ends.
+const TERMINAL: u32 = 1 << 31;
+
+// `Meta::shape` layout: label length (or a block's entry count), child count, first two keys.
+const LEN_MASK: u32 = 0x7f;
+const NKIDS_SHIFT: u32 = 7;
+const NKIDS_MASK: u32 = 0x1ff;
+const KEY0_SHIFT: u32 = 16;
+const KEY1_SHIFT: u32 = 24;
+
+#[inline]
+fn shape_len(s: u32) -> usize {
+    (s & LEN_MASK) as usize
+}
+#[inline]
+fn shape_nkids(s: u32) -> usize {
+    ((s >> NKIDS_SHIFT) & NKIDS_MASK) as usize
+}
+#[inline]
+fn shape_key0(s: u32) -> u8 {
+    (s >> KEY0_SHIFT) as u8
+}
+#[inline]
+fn shape_key1(s: u32) -> u8 {
+    (s >> KEY1_SHIFT) as u8
+}
+#[inline]
+fn make_shape(len: usize, nkids: usize, key0: u8, key1: u8) -> u32 {
+    debug_assert!(len <= LABEL_BYTES && nkids <= MAX_FANOUT);
+    len as u32
+        | (nkids as u32) << NKIDS_SHIFT
+        | (key0 as u32) << KEY0_SHIFT
+        | (key1 as u32) << KEY1_SHIFT
+}
+
+/// Edge label of one node (or the keys and ids of an overflow child block), as atomics so
+/// optimistic readers never race non-atomic memory.
+#[repr(C, align(64))]
+struct Label([AtomicU64; LABEL_WORDS]);
+
+/// The reader-visible part of a node slot.
+#[repr(C)]
+struct Meta {
+    /// Seqlock: odd while the writer changes this slot; bumped on every change and on free.
+    ver: AtomicU32,
+    /// See `make_shape`.
+    shape: AtomicU32,
+    /// Up to two children inline; with more, `kid[0]` is the first overflow block.
+    kid: [AtomicU32; 2],
+}
+
+/// A fixed run of slots. Never moved or freed while the trie lives, so readers can hold
+/// references into it without locks.
+#[repr(C)]
+struct Segment {
+    labels: [Label; SEG_SLOTS],
+    metas: [Meta; SEG_SLOTS],
+}
+
+/// Segment directory. Replaced (never mutated in place beyond its slots) when it grows; old
+/// directories stay allocated until the trie drops.
+struct Dir {
+    segs: Box<[AtomicPtr<Segment>]>,
+}
+
+impl Dir {
+    fn with_len(n: usize) -> Box<Dir> {
+        Box::new(Dir {
+            segs: (0..n).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect(),
+        })
+    }
+
+    /// The slot `id`, if its segment exists in this directory.
+    #[inline]
+    fn slot(&self, id: u32) -> Option<(&Meta, &Label)> {
+        let seg = self.segs.get((id >> SEG_SHIFT) as usize)?.load(Acquire);
+        if seg.is_null() {
+            return None;
+        }
+        let i = id as usize & (SEG_SLOTS - 1);
+        // SAFETY: a non-null entry points to a live, zero-initialised `Segment` that is only
+        // deallocated when the trie drops, and `&self` (borrowed from the trie) cannot outlive it.
+        let seg = unsafe { &*seg };
+        Some((&seg.metas[i], &seg.labels[i]))
+    }
+}
+
+/// Writer-only per-slot bookkeeping (never read by optimistic readers).
+#[derive(Clone, Copy)]
+struct WMeta {
+    parent: u32,
+    /// LRU neighbours for terminal nodes; `next` links the free list for free slots.
+    prev: u32,
+    next: u32,
+    /// Depth of the node's last label byte, `TERMINAL` bit if a stored prompt ends here.
+    end: u32,
+}
+
+const WMETA_EMPTY: WMeta = WMeta {
+    parent: NIL,
+    prev: NIL,
+    next: NIL,
+    end: 0,
+};
+
+/// Everything only the (single) writer touches.
+struct Writer {
+    wm: Vec<WMeta>,
+    free: u32,
+    lru_head: u32,
+    lru_tail: u32,
+    nodes: usize,
+    bytes: usize,
+    prompts: usize,
+    evictions: u64,
+    segments: usize,
+    dir_len: usize,
+    retired: Vec<*mut Dir>,
+    retired_bytes: usize,
+}
+
+/// Where a walk stopped: `pos` bytes matched, the last `off` of them inside `node`'s label.
+#[derive(Clone, Copy, Debug)]
+struct Walk {
+    pos: usize,
+    node: u32,
+    ver: u32,
+    off: usize,
+    len: usize,
+}
+
+/// Node-capped, LRU-by-insertion radix trie of prompt bytes; `Send + Sync`, lock-free reads.
+pub struct PrefixTrie {
+    dir: AtomicPtr<Dir>,
+    writer: Mutex<Writer>,
+    /// Chunk size for labels (`LABEL_BYTES` except in tests).
+    k: usize,
+    max_nodes: AtomicUsize,
+    nodes: AtomicUsize,
+    bytes: AtomicUsize,
+    prompts: AtomicUsize,
+    evictions: AtomicU64,
+    mem: AtomicUsize,
+}
+
+// SAFETY: all shared state is atomics or behind the mutex; the raw `Dir`/`Segment` pointers are
+// owned by the trie, written only under the writer lock and freed only in `Drop`.
+unsafe impl Send for PrefixTrie {}
+// SAFETY: as above; readers only load atomics through `&self`.
+unsafe impl Sync for PrefixTrie {}
+
+impl Default for PrefixTrie {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_NODES)
+    }
+}
+
+impl std::fmt::Debug for PrefixTrie {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixTrie")
+            .field("max_nodes", &self.max_nodes())
+            .field("nodes", &self.node_count())
+            .field("bytes", &self.byte_count())
+            .field("prompts", &self.prompt_count())
+            .field("evictions", &self.evictions())
+            .finish()
+    }
+}
+
+#[inline]
+fn read_begin(m: &Meta) -> Option<u32> {
+    let v = m.ver.load(Acquire);
+    (v & 1 == 0).then_some(v)
+}
+
+#[inline]
+fn read_valid(m: &Meta, v: u32) -> bool {
+    fence(Acquire);
+    m.ver.load(Relaxed) == v
+}
+
+#[inline]
+fn lock(m: &Meta) {
+    let v = m.ver.load(Relaxed);
+    debug_assert!(v & 1 == 0, "slot locked twice");
+    m.ver.store(v.wrapping_add(1), Relaxed);
+    fence(Release);
+}
+
+#[inline]
+fn unlock(m: &Meta) {
+    let v = m.ver.load(Relaxed);
+    m.ver.store(v.wrapping_add(1), Release);
+}
+
+/// Length of the common prefix of `label` (first `len` bytes) and `rest`.
+#[inline(always)]
+fn common_prefix(label: &Label, rest: &[u8], len: usize) -> usize {
+    let max = len.min(rest.len());
+    if max == LABEL_BYTES {
+        // Hot path: a full label against at least as many prompt bytes.
+        let mut diff = 0u64;
+        for (i, w) in label.0.iter().enumerate() {
+            diff |= w.load(Relaxed) ^ load_word(rest, i * 8);
+        }
+        if diff == 0 {
+            return LABEL_BYTES;
+        }
+    }
+    let mut i = 0;
+    while i + 8 <= max {
+        let x = label.0[i / 8].load(Relaxed) ^ load_word(rest, i);
+        if x != 0 {
+            return i + (x.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    if i < max {
+        let mut buf = [0u8; 8];
+        buf[..max - i].copy_from_slice(&rest[i..max]);
+        let x = label.0[i / 8].load(Relaxed) ^ u64::from_le_bytes(buf);
+        let x = x & (u64::MAX >> (64 - 8 * (max - i)));
+        if x != 0 {
+            return i + (x.trailing_zeros() / 8) as usize;
+        }
+    }
+    max
+}
+
+#[inline(always)]
+fn load_word(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Child of a node for first byte `key`, `NIL` if none. May return garbage on torn reads; the
+/// caller validates the node's version before trusting the answer.
+#[inline]
+fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> u32 {
+    match shape_nkids(shape) {
+        0 => NIL,
+        1 => {
+            if shape_key0(shape) == key {
+                m.kid[0].load(Relaxed)
+            } else {
+                NIL
+            }
+        }
+        2 => {
+            if shape_key0(shape) == key {
+                m.kid[0].load(Relaxed)
+            } else if shape_key1(shape) == key {
+                m.kid[1].load(Relaxed)
+            } else {
+                NIL
+            }
+        }
+        _ => {
+            let mut b = m.kid[0].load(Relaxed);
+            for _ in 0..MAX_BLOCKS {
+                let Some((bm, bl)) = dir.slot(b) else {
+                    return NIL;
+                };
+                let count = shape_len(bm.shape.load(Relaxed)).min(KIDS_PER_BLOCK);
+                let keys = [bl.0[0].load(Relaxed), bl.0[1].load(Relaxed)];
+                for i in 0..count {
+                    if (keys[i / 8] >> (8 * (i % 8))) as u8 == key {
+                        return (bl.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32;
+                    }
+                }
+                b = bm.kid[0].load(Relaxed);
+                if b == NIL {
+                    return NIL;
+                }
+            }
+            NIL
+        }
+    }
+}
+
+impl PrefixTrie {
+    /// An empty trie holding at most `max_nodes` node slots.
+    pub fn new(max_nodes: usize) -> Self {
+        Self::with_label_bytes(max_nodes, LABEL_BYTES)
+    }
+
+    /// An empty trie whose labels are chunked at `k` bytes (tests use tiny `k`).
+    fn with_label_bytes(max_nodes: usize, k: usize) -> Self {
+        assert!((1..=LABEL_BYTES).contains(&k), "label chunk must be 1..=64");
+        let dir = Box::into_raw(Dir::with_len(1));
+        let t = PrefixTrie {
+            dir: AtomicPtr::new(dir),
+            writer: Mutex::new(Writer {
+                wm: Vec::new(),
+                free: NIL,
+                lru_head: NIL,
+                lru_tail: NIL,
+                nodes: 0,
+                bytes: 0,
+                prompts: 0,
+                evictions: 0,
+                segments: 0,
+                dir_len: 1,
+                retired: Vec::new(),
+                retired_bytes: 0,
+            }),
+            k,
+            max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
+            nodes: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            prompts: AtomicUsize::new(0),
+            evictions: AtomicU64::new(0),
+            mem: AtomicUsize::new(0),
+        };
+        {
+            let mut g = t.writer.lock();
+            let mut cx = Ctx { t: &t, w: &mut g };
+            let root = cx.alloc();
+            debug_assert_eq!(root, ROOT);
+            cx.publish();
+        }
+        t
+    }
+
+    /// Length of the longest common prefix of `prompt` with any stored prompt.
+    pub fn match_len(&self, prompt: &[u8]) -> usize {
+        if prompt.is_empty() {
+            return 0;
+        }
+        for _ in 0..OPTIMISTIC_ATTEMPTS {
+            if let Some(w) = self.walk(prompt) {
+                return w.pos;
+            }
+        }
+        let _g = self.writer.lock();
+        self.walk(prompt).map_or(0, |w| w.pos)
+    }
+
+    /// Store `prompt` (or refresh it if stored), then prune least-recently-inserted prompts
+    /// until the node count is within the cap.
+    pub fn insert(&self, prompt: &[u8]) {
+        let cap = self.max_nodes();
+        let prompt = &prompt[..prompt.len().min(cap.saturating_mul(self.k))];
+        let mut seen = None;
+        if !prompt.is_empty() {
+            for _ in 0..OPTIMISTIC_ATTEMPTS {
+                seen = self.walk(prompt);
+                if seen.is_some() {
+                    break;
+                }
+            }
+        }
+        let mut g = self.writer.lock();
+        let mut cx = Ctx { t: self, w: &mut g };
+        if !prompt.is_empty() {
+            let walk = match seen {
+                Some(w) if cx.meta(w.node).ver.load(Relaxed) == w.ver => w,
+                _ => self.walk(prompt).expect("no concurrent writer under the lock"),
+            };
+            cx.apply(prompt, walk);
+        }
+        cx.evict_to(self.max_nodes());
+        cx.publish();
+    }
+
+    /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
+    pub fn node_count(&self) -> usize {
+        self.nodes.load(Relaxed)
+    }
+
+    /// Bytes of edge labels stored (= distinct non-empty prefixes of the stored prompts).
+    pub fn byte_count(&self) -> usize {
+        self.bytes.load(Relaxed)
+    }
+
+    /// Distinct prompts stored.
+    pub fn prompt_count(&self) -> usize {
+        self.prompts.load(Relaxed)
+    }
+
+    /// Prompts pruned by the node cap since creation.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Relaxed)
+    }
+
+    /// Current node ceiling.
+    pub fn max_nodes(&self) -> usize {
+        self.max_nodes.load(Relaxed)
+    }
+
+    /// Change the node ceiling (clamped to `MAX_NODES_LIMIT`); shrinking prunes immediately.
+    pub fn set_max_nodes(&self, n: usize) {
+        let n = n.min(MAX_NODES_LIMIT);
+        self.max_nodes.store(n, Relaxed);
+        let mut g = self.writer.lock();
+        let mut cx = Ctx { t: self, w: &mut g };
+        cx.evict_to(n);
+        cx.publish();
+    }
+
+    /// Heap bytes held by the trie (segments, directories, writer bookkeeping).
+    pub fn memory_bytes(&self) -> usize {
+        self.mem.load(Relaxed)
+    }
+
+    #[inline]
+    fn dir(&self) -> &Dir {
+        // SAFETY: the pointer is always a live `Dir`; replaced ones are retired, not freed,
+        // until `Drop`, which needs `&mut self`.
+        unsafe { &*self.dir.load(Acquire) }
+    }
+
+    /// One optimistic walk: `None` if a concurrent write got in the way.
+    #[inline]
+    fn walk(&self, prompt: &[u8]) -> Option<Walk> {
+        let dir = self.dir();
+        let mut id = ROOT;
+        let (mut m, mut label) = dir.slot(ROOT)?;
+        let mut v = read_begin(m)?;
+        let mut pos = 0usize;
+        loop {
+            let shape = m.shape.load(Relaxed);
+            let len = shape_len(shape);
+            if len > LABEL_BYTES || (len == 0 && id != ROOT) {
+                return None;
+            }
+            let n = common_prefix(label, &prompt[pos..], len);
+            if n < len || pos + n == prompt.len() {
+                return read_valid(m, v).then_some(Walk {
+                    pos: pos + n,
+                    node: id,
+                    ver: v,
+                    off: n,
+                    len,
+                });
+            }
+            pos += len;
+            let c = find_kid(dir, m, shape, prompt[pos]);
+            if c == NIL {
+                return read_valid(m, v).then_some(Walk {
+                    pos,
+                    node: id,
+                    ver: v,
+                    off: len,
+                    len,
+                });
+            }
+            let (cm, cl) = dir.slot(c)?;
+            let cv = read_begin(cm)?;
+            if !read_valid(m, v) {
+                return None;
+            }
+            (id, m, label, v) = (c, cm, cl, cv);
+        }
+    }
+}
+
+impl Drop for PrefixTrie {
+    fn drop(&mut self) {
+        let w = self.writer.get_mut();
+        let dir = *self.dir.get_mut();
+        // SAFETY: `&mut self`: no readers or writers remain. Every segment pointer in the
+        // current directory was allocated by `Segment` allocation below and appears once there
+        // (retired directories share pointers with it, so only their boxes are freed).
+        unsafe {
+            let d = Box::from_raw(dir);
+            for s in d.segs.iter() {
+                let p = s.load(Relaxed);
+                if !p.is_null() {
+                    dealloc(p.cast(), Layout::new::<Segment>());
+                }
+            }
+            for &r in &w.retired {
+                drop(Box::from_raw(r));
+            }
+        }
+    }
+}
+
+/// The writer's view: the trie plus its locked bookkeeping.
+struct Ctx<'a> {
+    t: &'a PrefixTrie,
+    w: &'a mut Writer,
+}
+
+impl<'a> Ctx<'a> {
+    fn slot(&self, id: u32) -> (&'a Meta, &'a Label) {
+        self.t.dir().slot(id).expect("writer-side slot id in range")
+    }
+
+    fn meta(&self, id: u32) -> &'a Meta {
+        self.slot(id).0
+    }
+
+    fn shape(&self, id: u32) -> u32 {
+        self.meta(id).shape.load(Relaxed)
+    }
+
+    fn end(&self, id: u32) -> usize {
+        (self.w.wm[id as usize].end & !TERMINAL) as usize
+    }
+
+    fn is_terminal(&self, id: u32) -> bool {
+        self.w.wm[id as usize].end & TERMINAL != 0
+    }
+
+    fn read_label(&self, id: u32) -> ([u8; LABEL_BYTES], usize) {
+        let (m, l) = self.slot(id);
+        let mut out = [0u8; LABEL_BYTES];
+        for (i, w) in l.0.iter().enumerate() {
+            out[i * 8..i * 8 + 8].copy_from_slice(&w.load(Relaxed).to_le_bytes());
+        }
+        (out, shape_len(m.shape.load(Relaxed)))
+    }
+
+    fn write_label(&self, id: u32, bytes: &[u8]) {
+        let mut buf = [0u8; LABEL_BYTES];
+        buf[..bytes.len()].copy_from_slice(bytes);
+        let l = self.slot(id).1;
+        for (i, w) in l.0.iter().enumerate() {
+            w.store(load_word(&buf, i * 8), Relaxed);
+        }
+    }
+
+    fn publish(&self) {
+        let t = self.t;
+        t.nodes.store(self.w.nodes, Relaxed);
+        t.bytes.store(self.w.bytes, Relaxed);
+        t.prompts.store(self.w.prompts, Relaxed);
+        t.evictions.store(self.w.evictions, Relaxed);
+        let mem = std::mem::size_of::<PrefixTrie>()
+            + self.w.segments * std::mem::size_of::<Segment>()
+            + self.w.wm.capacity() * std::mem::size_of::<WMeta>()
+            + self.w.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
+            + self.w.retired_bytes
+            + self.w.retired.capacity() * std::mem::size_of::<*mut Dir>();
+        t.mem.store(mem, Relaxed);
+    }
+
+    // ---- slots -------------------------------------------------------------------------
+
+    fn alloc(&mut self) -> u32 {
+        if self.w.free != NIL {
+            let id = self.w.free;
+            self.w.free = self.w.wm[id as usize].next;
+            self.w.wm[id as usize] = WMETA_EMPTY;
+            return id;
+        }
+        let id = self.w.wm.len();
+        assert!(id < NIL as usize, "trie slot ids exhausted");
+        if id % SEG_SLOTS == 0 {
+            self.add_segment(id >> SEG_SHIFT);
+        }
+        self.w.wm.push(WMETA_EMPTY);
+        id as u32
+    }
+
+    fn add_segment(&mut self, seg: usize) {
+        let cur = self.t.dir.load(Relaxed);
+        // SAFETY: the writer owns directory replacement; `cur` is live.
+        let cur_ref = unsafe { &*cur };
+        if seg >= cur_ref.segs.len() {
+            let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
+            for (a, b) in cur_ref.segs.iter().zip(grown.segs.iter()) {
+                b.store(a.load(Relaxed), Relaxed);
+            }
+            self.w.dir_len = grown.segs.len();
+            self.t.dir.store(Box::into_raw(grown), Release);
+            self.w.retired_bytes += cur_ref.segs.len() * std::mem::size_of::<AtomicPtr<Segment>>()
+                + std::mem::size_of::<Dir>();
+            self.w.retired.push(cur);
+        }
+        let layout = Layout::new::<Segment>();
+        // SAFETY: `Segment` has non-zero size; all-zero bytes are a valid `Segment` (atomics).
+        let p = unsafe { alloc_zeroed(layout) }.cast::<Segment>();
+        if p.is_null() {
+            handle_alloc_error(layout);
+        }
+        self.t.dir().segs[seg].store(p, Release);
+        self.w.segments += 1;
+        self.w.wm.reserve_exact(SEG_SLOTS);
+    }
+
+    /// Free a slot that the caller has already locked.
+    fn free_locked(&mut self, id: u32) {
+        let m = self.meta(id);
+        m.shape.store(0, Relaxed);
+        unlock(m);
+        self.w.wm[id as usize] = WMeta {
+            next: self.w.free,
+            ..WMETA_EMPTY
+        };
+        self.w.free = id;
+    }
+
+    fn alloc_block(&mut self) -> u32 {
+        let b = self.alloc();
+        let (m, l) = self.slot(b);
+        m.shape.store(0, Relaxed);
+        m.kid[0].store(NIL, Relaxed);
+        for w in l.0.iter() {
+            w.store(0, Relaxed);
+        }
+        self.w.nodes += 1;
+        b
+    }
+
+    // ---- overflow child blocks (the owner node is locked by the caller) -----------------
+
+    fn block_get(&self, b: u32, i: usize) -> (u8, u32) {
+        let l = self.slot(b).1;
+        let key = (l.0[i / 8].load(Relaxed) >> (8 * (i % 8))) as u8;
+        let id = (l.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32;
+        (key, id)
+    }
+
+    fn block_set(&self, b: u32, i: usize, key: u8, id: u32) {
+        let l = self.slot(b).1;
+        let kw = &l.0[i / 8];
+        let ks = 8 * (i % 8);
+        kw.store(
+            (kw.load(Relaxed) & !(0xff << ks)) | (key as u64) << ks,
+            Relaxed,
+        );
+        let iw = &l.0[2 + i / 2];
+        let is = 32 * (i % 2);
+        iw.store(
+            (iw.load(Relaxed) & !(0xffff_ffff << is)) | (id as u64) << is,
+            Relaxed,
+        );
+    }
+
+    fn block_count(&self, b: u32) -> usize {
+        shape_len(self.shape(b))
+    }
+
+    fn set_block_count(&self, b: u32, n: usize) {
+        self.meta(b).shape.store(n as u32, Relaxed);
+    }
+
+    /// Blocks of a node with more than two children, in chain order.
+    fn blocks(&self, n: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut b = self.meta(n).kid[0].load(Relaxed);
+        while b != NIL {
+            out.push(b);
+            b = self.meta(b).kid[0].load(Relaxed);
+        }
+        out
+    }
+
+    /// All `(key, child)` pairs of `n`.
+    fn kids(&self, n: u32) -> Vec<(u8, u32)> {
+        let m = self.meta(n);
+        let s = m.shape.load(Relaxed);
+        match shape_nkids(s) {
+            0 => vec![],
+            1 => vec![(shape_key0(s), m.kid[0].load(Relaxed))],
+            2 => vec![
+                (shape_key0(s), m.kid[0].load(Relaxed)),
+                (shape_key1(s), m.kid[1].load(Relaxed)),
+            ],
+            _ => self
+                .blocks(n)
+                .into_iter()
+                .flat_map(|b| (0..self.block_count(b)).map(move |i| (b, i)))
+                .map(|(b, i)| self.block_get(b, i))
+                .collect(),
+        }
+    }
+
+    fn kid_add(&mut self, n: u32, key: u8, c: u32) {
+        let s = self.shape(n);
+        let f = shape_nkids(s);
+        let len = shape_len(s);
+        let m = self.meta(n);
+        match f {
+            0 => {
+                m.kid[0].store(c, Relaxed);
+                m.shape.store(make_shape(len, 1, key, 0), Relaxed);
+            }
+            1 => {
+                m.kid[1].store(c, Relaxed);
+                m.shape
+                    .store(make_shape(len, 2, shape_key0(s), key), Relaxed);
+            }
+            2 => {
+                let (k0, c0) = (shape_key0(s), m.kid[0].load(Relaxed));
+                let (k1, c1) = (shape_key1(s), m.kid[1].load(Relaxed));
+                let b = self.alloc_block();
+                self.block_set(b, 0, k0, c0);
+                self.block_set(b, 1, k1, c1);
+                self.block_set(b, 2, key, c);
+                self.set_block_count(b, 3);
+                let m = self.meta(n);
+                m.kid[0].store(b, Relaxed);
+                m.kid[1].store(NIL, Relaxed);
+                m.shape.store(make_shape(len, 3, 0, 0), Relaxed);
+            }
+            _ => {
+                let last = *self.blocks(n).last().expect("node with >2 kids has blocks");
+                let cnt = self.block_count(last);
+                if cnt < KIDS_PER_BLOCK {
+                    self.block_set(last, cnt, key, c);
+                    self.set_block_count(last, cnt + 1);
+                } else {
+                    let b = self.alloc_block();
+                    self.block_set(b, 0, key, c);
+                    self.set_block_count(b, 1);
+                    self.meta(last).kid[0].store(b, Relaxed);
+                }
+                self.meta(n)
+                    .shape
+                    .store(make_shape(len, f + 1, 0, 0), Relaxed);
+            }
+        }
+    }
+
+    fn kid_replace(&mut self, n: u32, key: u8, c: u32) {
+        let m = self.meta(n);
+        let s = m.shape.load(Relaxed);
+        match shape_nkids(s) {
+            0 => unreachable!("replace on a leaf"),
+            1 | 2 => {
+                let i = if shape_key0(s) == key { 0 } else { 1 };
+                debug_assert!(i == 0 || shape_key1(s) == key);
+                m.kid[i].store(c, Relaxed);
+            }
+            _ => {
+                for b in self.blocks(n) {
+                    for i in 0..self.block_count(b) {
+                        if self.block_get(b, i).0 == key {
+                            self.block_set(b, i, key, c);
+                            return;
+                        }
+                    }
+                }
+                unreachable!("replace of a missing child");
+            }
+        }
+    }
+
+    fn kid_remove(&mut self, n: u32, key: u8) {
+        let s = self.shape(n);
+        let f = shape_nkids(s);
+        let len = shape_len(s);
+        match f {
+            0 => unreachable!("remove on a leaf"),
+            1 => self.meta(n).shape.store(make_shape(len, 0, 0, 0), Relaxed),
+            2 => {
+                let m = self.meta(n);
+                if shape_key0(s) == key {
+                    m.kid[0].store(m.kid[1].load(Relaxed), Relaxed);
+                    m.shape
+                        .store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
+                } else {
+                    m.shape
+                        .store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
+                }
+                m.kid[1].store(NIL, Relaxed);
+            }
+            3 => {
+                let b = self.meta(n).kid[0].load(Relaxed);
+                let rest: Vec<(u8, u32)> =
+                    self.kids(n).into_iter().filter(|&(k, _)| k != key).collect();
+                debug_assert_eq!(rest.len(), 2);
+                let m = self.meta(n);
+                m.kid[0].store(rest[0].1, Relaxed);
+                m.kid[1].store(rest[1].1, Relaxed);
+                m.shape
+                    .store(make_shape(len, 2, rest[0].0, rest[1].0), Relaxed);
+                lock(self.meta(b));
+                self.free_locked(b);
+                self.w.nodes -= 1;
+            }
+            _ => {
+                let chain = self.blocks(n);
+                let last = *chain.last().expect("blocks");
+                let lcnt = self.block_count(last);
+                let (lk, lc) = self.block_get(last, lcnt - 1);
+                'found: for &b in &chain {
+                    for i in 0..self.block_count(b) {
+                        if self.block_get(b, i).0 == key {
+                            self.block_set(b, i, lk, lc);
+                            break 'found;
+                        }
+                    }
+                }
+                if lcnt == 1 {
+                    let prev = chain[chain.len() - 2];
+                    self.meta(prev).kid[0].store(NIL, Relaxed);
+                    lock(self.meta(last));
+                    self.free_locked(last);
+                    self.w.nodes -= 1;
+                } else {
+                    self.set_block_count(last, lcnt - 1);
+                }
+                self.meta(n)
+                    .shape
+                    .store(make_shape(len, f - 1, 0, 0), Relaxed);
+            }
+        }
+    }
+
+    // ---- LRU by insertion ----------------------------------------------------------------
+
+    fn lru_push_back(&mut self, id: u32) {
+        let tail = self.w.lru_tail;
+        let e = &mut self.w.wm[id as usize];
+        e.prev = tail;
+        e.next = NIL;
+        if tail == NIL {
+            self.w.lru_head = id;
+        } else {
+            self.w.wm[tail as usize].next = id;
+        }
+        self.w.lru_tail = id;
+    }
+
+    fn lru_remove(&mut self, id: u32) {
+        let WMeta { prev, next, .. } = self.w.wm[id as usize];
+        if prev == NIL {
+            self.w.lru_head = next;
+        } else {
+            self.w.wm[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.w.lru_tail = prev;
+        } else {
+            self.w.wm[next as usize].prev = prev;
+        }
+    }
+
+    fn mark_terminal(&mut self, id: u32) {
+        if self.is_terminal(id) {
+            if self.w.lru_tail != id {
+                self.lru_remove(id);
+                self.lru_push_back(id);
+            }
+        } else {
+            self.w.wm[id as usize].end |= TERMINAL;
+            self.lru_push_back(id);
+            self.w.prompts += 1;
+        }
+    }
+
+    // ---- insert ----------------------------------------------------------------------------
+
+    fn apply(&mut self, prompt: &[u8], wk: Walk) {
+        let Walk {
+            pos: d,
+            node: x,
+            off,
+            len,
+            ..
+        } = wk;
+        if d == prompt.len() {
+            if off == len {
+                self.mark_terminal(x);
+            } else {
+                let u = self.split(x, off, None);
+                self.mark_terminal(u);
+            }
+            return;
+        }
+        let key = prompt[d];
+        let (first, last) = self.build_chain(&prompt[d..], d);
+        if off == len {
+            let m = self.meta(x);
+            lock(m);
+            self.kid_add(x, key, first);
+            unlock(self.meta(x));
+            self.w.wm[first as usize].parent = x;
+        } else {
+            let u = self.split(x, off, Some((key, first)));
+            self.w.wm[first as usize].parent = u;
+        }
+        self.mark_terminal(last);
+    }
+
+    /// Nodes for `bytes`, which start at depth `d`, cut at multiples of `k`; unpublished.
+    fn build_chain(&mut self, bytes: &[u8], d: usize) -> (u32, u32) {
+        let k = self.t.k;
+        let end_all = d + bytes.len();
+        let first = self.alloc();
+        let (mut id, mut parent, mut depth) = (first, NIL, d);
+        loop {
+            let end = end_all.min((depth / k + 1) * k);
+            let chunk = &bytes[depth - d..end - d];
+            let last = end == end_all;
+            let next = if last { NIL } else { self.alloc() };
+            self.write_label(id, chunk);
+            let m = self.meta(id);
+            let (nk, key) = if last { (0, 0) } else { (1, bytes[end - d]) };
+            m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
+            m.kid[0].store(next, Relaxed);
+            m.kid[1].store(NIL, Relaxed);
+            self.w.wm[id as usize] = WMeta {
+                parent,
+                end: end as u32,
+                ..WMETA_EMPTY
+            };
+            self.w.nodes += 1;
+            self.w.bytes += chunk.len();
+            if last {
+                return (first, id);
+            }
+            (parent, id, depth) = (id, next, end);
+        }
+    }
+
+    /// Cut `x` after `off` label bytes: a new upper node takes `x`'s place under its parent
+    /// (`x` keeps its id, end depth and subtree). `extra` becomes the upper node's second child.
+    fn split(&mut self, x: u32, off: usize, extra: Option<(u8, u32)>) -> u32 {
+        let (lab, len) = self.read_label(x);
+        let p = self.w.wm[x as usize].parent;
+        let u = self.alloc();
+        self.write_label(u, &lab[..off]);
+        let (nk, k1, c1) = extra.map_or((1, 0, NIL), |(k, c)| (2, k, c));
+        let mu = self.meta(u);
+        mu.shape.store(make_shape(off, nk, lab[off], k1), Relaxed);
+        mu.kid[0].store(x, Relaxed);
+        mu.kid[1].store(c1, Relaxed);
+        self.w.wm[u as usize] = WMeta {
+            parent: p,
+            end: (self.end(x) - (len - off)) as u32,
+            ..WMETA_EMPTY
+        };
+        let (mp, mx) = (self.meta(p), self.meta(x));
+        lock(mp);
+        lock(mx);
+        self.kid_replace(p, lab[0], u);
+        self.write_label(x, &lab[off..len]);
+        let sx = self.shape(x);
+        self.meta(x).shape.store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
+        unlock(self.meta(x));
+        unlock(self.meta(p));
+        self.w.wm[x as usize].parent = u;
+        self.w.nodes += 1;
+        u
+    }
+
+    // ---- eviction ----------------------------------------------------------------------------
+
+    fn evict_to(&mut self, cap: usize) {
+        while self.w.nodes > cap && self.w.lru_head != NIL {
+            self.evict_oldest();
+        }
+    }
+
+    /// Drop the least-recently-inserted prompt and the nodes only it used; re-compress.
+    fn evict_oldest(&mut self) {
+        let t = self.w.lru_head;
+        self.lru_remove(t);
+        self.w.wm[t as usize].end &= !TERMINAL;
+        self.w.prompts -= 1;
+        self.w.evictions += 1;
+        let k = self.t.k;
+        let mut cur = t;
+        while cur != ROOT && !self.is_terminal(cur) {
+            let s = self.shape(cur);
+            match shape_nkids(s) {
+                0 => {
+                    let p = self.w.wm[cur as usize].parent;
+                    let key = self.read_label(cur).0[0];
+                    lock(self.meta(p));
+                    self.kid_remove(p, key);
+                    unlock(self.meta(p));
+                    lock(self.meta(cur));
+                    self.free_locked(cur);
+                    self.w.nodes -= 1;
+                    self.w.bytes -= shape_len(s);
+                    cur = p;
+                }
+                1 if self.end(cur) % k != 0 => {
+                    self.merge_into_child(cur);
+                    break;
+                }
+                _ => break,
+            }
+        }
+    }
+
+    /// Fold non-branching, non-terminal `n` into its only child (the child keeps its id).
+    fn merge_into_child(&mut self, n: u32) {
+        let c = self.meta(n).kid[0].load(Relaxed);
+        let p = self.w.wm[n as usize].parent;
+        let (nl, nlen) = self.read_label(n);
+        let (cl, clen) = self.read_label(c);
+        debug_assert!(nlen + clen <= self.t.k);
+        let mut buf = [0u8; 2 * LABEL_BYTES];
+        buf[..nlen].copy_from_slice(&nl[..nlen]);
+        buf[nlen..nlen + clen].copy_from_slice(&cl[..clen]);
+        lock(self.meta(p));
+        lock(self.meta(n));
+        lock(self.meta(c));
+        self.write_label(c, &buf[..nlen + clen]);
+        let sc = self.shape(c);
+        self.meta(c)
+            .shape
+            .store((sc & !LEN_MASK) | (nlen + clen) as u32, Relaxed);
+        self.kid_replace(p, nl[0], c);
+        unlock(self.meta(c));
+        self.free_locked(n);
+        unlock(self.meta(p));
+        self.w.wm[c as usize].parent = p;
+        self.w.nodes -= 1;
+    }
+}
+
+
+#[cfg(test)]
+impl PrefixTrie {
+    /// Verify every structural invariant under the writer lock; return the stored prompts,
+    /// least recently inserted first.
+    fn check(&self) -> Vec<Vec<u8>> {
+        use std::collections::{HashMap, HashSet};
+        let mut g = self.writer.lock();
+        let cx = Ctx { t: self, w: &mut g };
+        let k = self.k;
+        let (mut nodes, mut bytes, mut terminals) = (0usize, 0usize, 0usize);
+        let mut paths: HashMap<u32, Vec<u8>> = HashMap::new();
+        let mut seen: HashSet<u32> = HashSet::new();
+        // (id, path to its end)
+        let mut stack = vec![(ROOT, Vec::new())];
+        while let Some((id, path)) = stack.pop() {
+            assert!(seen.insert(id), "slot {id} reachable twice");
+            let m = cx.meta(id);
+            assert_eq!(m.ver.load(Relaxed) & 1, 0, "slot {id} left locked");
+            let s = m.shape.load(Relaxed);
+            let f = shape_nkids(s);
+            let end = cx.end(id);
+            assert_eq!(end, path.len(), "end depth of {id}");
+            let term = cx.is_terminal(id);
+            if id != ROOT {
+                let len = shape_len(s);
+                assert!((1..=k).contains(&len), "label length {len} of {id}");
+                let start = end - len;
+                assert_eq!(start / k, (end - 1) / k, "label of {id} crosses a chunk boundary");
+                nodes += 1;
+                bytes += len;
+                if term {
+                    terminals += 1;
+                    paths.insert(id, path.clone());
+                } else {
+                    assert!(f >= 2 || (f == 1 && end % k == 0), "redundant node {id}");
+                }
+            } else {
+                assert_eq!(shape_len(s), 0);
+                assert!(!term);
+            }
+            if f > 2 {
+                let blocks = cx.blocks(id);
+                assert_eq!(blocks.len(), f.div_ceil(KIDS_PER_BLOCK), "blocks of {id}");
+                for (i, &b) in blocks.iter().enumerate() {
+                    assert!(seen.insert(b), "block {b} shared");
+                    assert_eq!(cx.meta(b).ver.load(Relaxed) & 1, 0);
+                    let want = if i + 1 == blocks.len() {
+                        f - KIDS_PER_BLOCK * i
+                    } else {
+                        KIDS_PER_BLOCK
+                    };
+                    assert_eq!(cx.block_count(b), want);
+                    nodes += 1;
+                }
+            }
+            let kids = cx.kids(id);
+            assert_eq!(kids.len(), f);
+            let keys: HashSet<u8> = kids.iter().map(|&(k, _)| k).collect();
+            assert_eq!(keys.len(), f, "duplicate child keys under {id}");
+            for (key, c) in kids {
+                assert_eq!(cx.w.wm[c as usize].parent, id, "parent of {c}");
+                let (lab, len) = cx.read_label(c);
+                assert_eq!(lab[0], key, "key of {c}");
+                // Through the reader's lookup as well.
+                let d = self.dir();
+                assert_eq!(find_kid(d, m, s, key), c);
+                let mut p = path.clone();
+                p.extend_from_slice(&lab[..len]);
+                stack.push((c, p));
+            }
+        }
+        assert_eq!(nodes, cx.w.nodes, "node count");
+        assert_eq!(bytes, cx.w.bytes, "byte count");
+        assert_eq!(terminals, cx.w.prompts, "prompt count");
+        let mut free = 0;
+        let mut f = cx.w.free;
+        while f != NIL {
+            assert!(!seen.contains(&f), "free slot {f} reachable");
+            free += 1;
+            f = cx.w.wm[f as usize].next;
+        }
+        assert_eq!(free + seen.len(), cx.w.wm.len(), "slots leaked");
+        let mut out = Vec::new();
+        let (mut cur, mut prev) = (cx.w.lru_head, NIL);
+        while cur != NIL {
+            assert_eq!(cx.w.wm[cur as usize].prev, prev, "lru back link");
+            out.push(paths.remove(&cur).expect("lru entry is a live terminal"));
+            (prev, cur) = (cur, cx.w.wm[cur as usize].next);
+        }
+        assert_eq!(prev, cx.w.lru_tail);
+        assert!(paths.is_empty(), "terminal missing from lru");
+        assert_eq!(self.node_count(), nodes);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeSet, VecDeque};
+    use std::sync::Arc;
+
+    fn lcp(a: &[u8], b: &[u8]) -> usize {
+        a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    }
+
+    /// Naive reference: stored prompts in insertion order, same eviction rule, node count
+    /// computed from the canonical shape (a node at every chunk boundary, prompt end and
+    /// branch point; one overflow block per 12 children beyond two).
+    struct Model {
+        k: usize,
+        cap: usize,
+        live: VecDeque<Vec<u8>>,
+    }
+
+    impl Model {
+        fn new(cap: usize, k: usize) -> Self {
+            Model {
+                k,
+                cap,
+                live: VecDeque::new(),
+            }
+        }
+
+        fn insert(&mut self, p: &[u8]) {
+            let p = &p[..p.len().min(self.cap * self.k)];
+            if !p.is_empty() {
+                if let Some(i) = self.live.iter().position(|s| s == p) {
+                    self.live.remove(i);
+                }
+                self.live.push_back(p.to_vec());
+            }
+            self.evict();
+        }
+
+        fn set_cap(&mut self, cap: usize) {
+            self.cap = cap;
+            self.evict();
+        }
+
+        fn evict(&mut self) {
+            while self.slots() > self.cap && !self.live.is_empty() {
+                self.live.pop_front();
+            }
+        }
+
+        fn match_len(&self, q: &[u8]) -> usize {
+            self.live.iter().map(|s| lcp(s, q)).max().unwrap_or(0)
+        }
+
+        fn node_strings(&self) -> BTreeSet<Vec<u8>> {
+            let mut set = BTreeSet::new();
+            for s in &self.live {
+                for l in (self.k..=s.len()).step_by(self.k) {
+                    set.insert(s[..l].to_vec());
+                }
+                set.insert(s.clone());
+            }
+            let sorted: BTreeSet<&Vec<u8>> = self.live.iter().collect();
+            let sorted: Vec<_> = sorted.into_iter().collect();
+            for w in sorted.windows(2) {
+                let l = lcp(w[0], w[1]);
+                if l > 0 && l < w[0].len() && l < w[1].len() {
+                    set.insert(w[0][..l].to_vec());
+                }
+            }
+            set
+        }
+
+        fn slots(&self) -> usize {
+            let nodes = self.node_strings();
+            let mut total = nodes.len();
+            for x in nodes.iter().map(|v| v.as_slice()).chain([&[][..]]) {
+                let f = self
+                    .live
+                    .iter()
+                    .filter(|s| s.len() > x.len() && s.starts_with(x))
+                    .map(|s| s[x.len()])
+                    .collect::<BTreeSet<u8>>()
+                    .len();
+                if f > 2 {
+                    total += f.div_ceil(KIDS_PER_BLOCK);
+                }
+            }
+            total
+        }
+
+        fn bytes(&self) -> usize {
+            let mut set = BTreeSet::new();
+            for s in &self.live {
+                for l in 1..=s.len() {
+                    set.insert(&s[..l]);
+                }
+            }
+            set.len()
+        }
+    }
+
+    fn assert_agrees(t: &PrefixTrie, m: &Model, probes: &[Vec<u8>]) {
+        let stored = t.check();
+        assert_eq!(stored, Vec::from(m.live.clone()), "stored prompts / LRU order");
+        assert_eq!(t.node_count(), m.slots(), "node count");
+        assert_eq!(t.byte_count(), m.bytes(), "byte count");
+        assert_eq!(t.prompt_count(), m.live.len());
+        assert!(t.node_count() <= t.max_nodes(), "cap exceeded");
+        for s in &m.live {
+            assert_eq!(t.match_len(s), s.len(), "live prompt lost bytes");
+        }
+        for q in probes {
+            assert_eq!(t.match_len(q), m.match_len(q), "match_len({q:?})");
+        }
+    }
+
+    #[test]
+    fn empty_trie_matches_nothing() {
+        let t = PrefixTrie::new(10);
+        assert_eq!(t.match_len(b""), 0);
+        assert_eq!(t.match_len(b"hello"), 0);
+        assert_eq!((t.node_count(), t.byte_count(), t.prompt_count()), (0, 0, 0));
+        t.insert(b"");
+        assert_eq!(t.prompt_count(), 0, "empty prompts are not stored");
+        t.check();
+    }
+
+    #[test]
+    fn default_uses_spec_cap() {
+        assert_eq!(PrefixTrie::default().max_nodes(), DEFAULT_MAX_NODES);
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<PrefixTrie>();
+    }
+
+    #[test]
+    fn match_is_longest_common_prefix() {
+        let t = PrefixTrie::new(100);
+        t.insert(b"system: be nice\x1euser: hi");
+        t.insert(b"system: be nice\x1euser: bye");
+        assert_eq!(t.match_len(b"system: be nice\x1euser: hi"), 24);
+        assert_eq!(t.match_len(b"system: be nice\x1euser: hi there"), 24);
+        assert_eq!(t.match_len(b"system: be nice\x1euser: b"), 23);
+        assert_eq!(t.match_len(b"system: be rude"), 11);
+        assert_eq!(t.match_len(b"x"), 0);
+        // root -> "system: be nice\x1euser: " -> {"hi", "bye"}
+        assert_eq!(t.node_count(), 3);
+        assert_eq!(t.byte_count(), 22 + 2 + 3);
+        t.check();
+    }
+
+    #[test]
+    fn prompt_ending_inside_a_label_splits_it() {
+        let t = PrefixTrie::new(100);
+        t.insert(b"abcdef");
+        t.insert(b"abc");
+        assert_eq!(t.node_count(), 2);
+        assert_eq!(t.prompt_count(), 2);
+        assert_eq!(t.check(), vec![b"abcdef".to_vec(), b"abc".to_vec()]);
+        // Evicting "abcdef" leaves "abc" alone in one node.
+        t.set_max_nodes(1);
+        assert_eq!(t.check(), vec![b"abc".to_vec()]);
+        assert_eq!(t.match_len(b"abcdef"), 3);
+        assert_eq!((t.node_count(), t.evictions()), (1, 1));
+    }
+
+    #[test]
+    fn long_prompts_are_chunked_at_label_bytes() {
+        let t = PrefixTrie::new(1000);
+        let p: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        t.insert(&p);
+        assert_eq!(t.node_count(), 1000usize.div_ceil(LABEL_BYTES));
+        assert_eq!(t.byte_count(), 1000);
+        assert_eq!(t.match_len(&p), 1000);
+        let mut q = p.clone();
+        q[777] ^= 1;
+        assert_eq!(t.match_len(&q), 777);
+        t.insert(&q);
+        // One split at 777 (inside the chunk 768..832) plus the new tail 777..832, 832..1000.
+        assert_eq!(t.node_count(), 16 + 1 + 1 + 3);
+        t.check();
+    }
+
+    #[test]
+    fn reinsert_refreshes_lru_order() {
+        let t = PrefixTrie::with_label_bytes(2, 64);
+        t.insert(b"a1");
+        t.insert(b"b1");
+        t.insert(b"a1"); // refresh: now b1 is the oldest
+        // Root would need a third child plus its overflow block (4 slots): b1, now the oldest,
+        // goes; a1 and c1 fit inline again.
+        t.insert(b"c1");
+        assert_eq!(t.check(), vec![b"a1".to_vec(), b"c1".to_vec()]);
+        let t = PrefixTrie::with_label_bytes(3, 64);
+        t.insert(b"xa");
+        t.insert(b"xb");
+        t.insert(b"xa");
+        t.insert(b"xc"); // "x" + 3 kids + block = 5 > 3: b is oldest, goes first
+        assert_eq!(t.check(), vec![b"xa".to_vec(), b"xc".to_vec()]);
+        assert_eq!(t.evictions(), 1);
+    }
+
+    #[test]
+    fn eviction_keeps_shared_prefix_of_live_prompts() {
+        let sys = b"<|system|>You are a helpful assistant. ".repeat(20);
+        let t = PrefixTrie::new(40);
+        let conv = |c: u8, turns: usize| {
+            let mut p = sys.clone();
+            for i in 0..turns {
+                p.extend_from_slice(format!("<|user|>conversation {c} turn {i} ").as_bytes());
+                p.extend_from_slice(&[b'a' + c; 100]);
+            }
+            p
+        };
+        for turn in 1..=4 {
+            for c in 0..6 {
+                t.insert(&conv(c, turn));
+                assert!(t.node_count() <= 40);
+                assert_eq!(t.match_len(&conv(c, turn)), conv(c, turn).len());
+            }
+        }
+        assert!(t.evictions() > 0);
+        let live = t.check();
+        for p in &live {
+            assert_eq!(t.match_len(p), p.len());
+        }
+        // The system prompt is shared by everything live and survives every eviction.
+        assert_eq!(t.match_len(&sys), sys.len());
+    }
+
+    #[test]
+    fn oversized_prompt_is_truncated_to_fit_alone() {
+        let t = PrefixTrie::new(3);
+        let p: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        t.insert(b"something else");
+        t.insert(&p);
+        assert_eq!(t.check(), vec![p[..3 * LABEL_BYTES].to_vec()]);
+        assert_eq!(t.match_len(&p), 3 * LABEL_BYTES);
+        assert_eq!(t.node_count(), 3);
+        let t = PrefixTrie::new(0);
+        t.insert(&p);
+        assert_eq!((t.node_count(), t.match_len(&p)), (0, 0));
+    }
+
+    #[test]
+    fn wide_fanout_uses_overflow_blocks_and_shrinks_back() {
+        let t = PrefixTrie::with_label_bytes(10_000, 64);
+        let all: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b'p', b, b'z']).collect();
+        for p in &all {
+            t.insert(p);
+        }
+        // "p" + 256 leaves + ceil(256 / 12) blocks
+        assert_eq!(t.node_count(), 1 + 256 + 22);
+        for p in &all {
+            assert_eq!(t.match_len(p), 3);
+        }
+        t.check();
+        for (i, cap) in [200, 100, 40, 5, 3, 2, 1].into_iter().enumerate() {
+            t.set_max_nodes(cap);
+            let live = t.check();
+            assert!(t.node_count() <= cap, "step {i}");
+            for p in &live {
+                assert_eq!(t.match_len(p), 3);
+            }
+        }
+        assert_eq!(t.check(), vec![b"p\xffz".to_vec()]);
+    }
+
+    #[test]
+    fn byte_trie_degenerate_chunk_of_one() {
+        let t = PrefixTrie::with_label_bytes(100, 1);
+        t.insert(b"hello");
+        t.insert(b"help");
+        assert_eq!(t.node_count(), 6);
+        assert_eq!(t.match_len(b"helium"), 3);
+        t.check();
+    }
+
+    #[test]
+    fn fill_to_default_cap_stays_under_100_mib() {
+        // Realistic fill: a shared 2 KiB system prompt, then 64 KiB of conversations growing by
+        // ~600-byte turns, unique per conversation. Keeps inserting past the cap.
+        let t = PrefixTrie::default();
+        let sys: Vec<u8> = (0..2048u32).map(|i| b"abcdefghij klmnopq"[i as usize % 18]).collect();
+        let mut stored = 0usize;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut conv = 0u64;
+        while t.evictions() < 200 {
+            conv += 1;
+            let mut p = sys.clone();
+            p.extend_from_slice(&conv.to_le_bytes());
+            for _ in 0..8 {
+                for _ in 0..600 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    p.push(b'a' + (x % 26) as u8);
+                }
+                t.insert(&p);
+                stored += 1;
+            }
+        }
+        let mem = t.memory_bytes();
+        let nodes = t.node_count();
+        let per_node = mem as f64 / nodes as f64;
+        let per_byte = mem as f64 / t.byte_count() as f64;
+        eprintln!(
+            "fill to cap: {nodes} nodes, {} label bytes, {} prompts ({stored} inserted), \
+             {mem} B = {:.1} MiB, {per_node:.1} B/node, {per_byte:.2} B/stored byte",
+            t.byte_count(),
+            t.prompt_count(),
+            mem as f64 / (1 << 20) as f64
+        );
+        assert!(nodes <= DEFAULT_MAX_NODES && nodes > DEFAULT_MAX_NODES - 20_000);
+        assert!(mem < 100 << 20, "{mem} bytes at the 1M-node cap");
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(Vec<u8>),
+        /// Re-insert a prefix of an earlier prompt extended by new bytes (a conversation turn).
+        Extend(usize, usize, Vec<u8>),
+        Match(Vec<u8>),
+        SetCap(usize),
+    }
+
+    fn op(alpha: &'static [u8], max_len: usize, max_cap: usize) -> impl Strategy<Value = Op> {
+        let s = move || prop::collection::vec(prop::sample::select(alpha), 0..max_len);
+        prop_oneof![
+            4 => s().prop_map(Op::Insert),
+            4 => (any::<usize>(), any::<usize>(), s()).prop_map(|(i, l, x)| Op::Extend(i, l, x)),
+            3 => s().prop_map(Op::Match),
+            1 => (0..=max_cap).prop_map(Op::SetCap),
+        ]
+    }
+
+    fn run(k: usize, cap: usize, ops: Vec<Op>) {
+        let t = PrefixTrie::with_label_bytes(cap, k);
+        let mut m = Model::new(cap, k);
+        let mut history: Vec<Vec<u8>> = Vec::new();
+        let mut probes: Vec<Vec<u8>> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Insert(p) => {
+                    t.insert(&p);
+                    m.insert(&p);
+                    history.push(p);
+                }
+                Op::Extend(i, l, x) => {
+                    let mut p = history.get(i % history.len().max(1)).cloned().unwrap_or_default();
+                    p.truncate(l % (p.len() + 1));
+                    p.extend_from_slice(&x);
+                    let before: Vec<(Vec<u8>, usize)> =
+                        m.live.iter().map(|s| (s.clone(), t.match_len(s))).collect();
+                    t.insert(&p);
+                    m.insert(&p);
+                    // Evicting one prompt never shortens another live prompt's match.
+                    for (s, n) in before {
+                        if m.live.contains(&s) {
+                            assert!(t.match_len(&s) >= n);
+                        }
+                    }
+                    history.push(p);
+                }
+                Op::Match(q) => probes.push(q),
+                Op::SetCap(c) => {
+                    t.set_max_nodes(c);
+                    m.set_cap(c);
+                }
+            }
+            let mut all = probes.clone();
+            all.extend(history.iter().cloned());
+            assert_agrees(&t, &m, &all);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        #[test]
+        fn agrees_with_model_small_chunks(
+            k in prop::sample::select(vec![1usize, 2, 3, 8]),
+            cap in 1usize..30,
+            ops in prop::collection::vec(op(b"ab", 24, 30), 1..40),
+        ) {
+            run(k, cap, ops);
+        }
+
+        #[test]
+        fn agrees_with_model_full_chunks(
+            cap in 1usize..12,
+            ops in prop::collection::vec(op(b"abc", 300, 12), 1..30),
+        ) {
+            run(LABEL_BYTES, cap, ops);
+        }
+
+        #[test]
+        fn agrees_with_model_wide_fanout(
+            cap in 1usize..60,
+            ops in prop::collection::vec(op(b"abcdefghijklmnopqrstuvwxyz0123", 5, 60), 1..60),
+        ) {
+            run(4, cap, ops);
+        }
+    }
+
+    fn prompt(seed: u64, prefix: &[u8], n: usize) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut p = prefix.to_vec();
+        p.extend((0..n).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b'a' + (x % 4) as u8
+        }));
+        p
+    }
+
+    #[test]
+    fn concurrent_inserts_are_visible_to_their_writer() {
+        let t = Arc::new(PrefixTrie::with_label_bytes(1 << 20, 8));
+        let sys = b"shared system prompt ".repeat(10);
+        let handles: Vec<_> = (0..4u64)
+            .map(|th| {
+                let (t, sys) = (t.clone(), sys.clone());
+                std::thread::spawn(move || {
+                    let mut mine = Vec::new();
+                    for i in 0..300u64 {
+                        let p = prompt(th * 1000 + i, &sys, 20 + (i as usize % 50));
+                        t.insert(&p);
+                        assert_eq!(t.match_len(&p), p.len());
+                        assert!(t.match_len(&sys) == sys.len());
+                        mine.push(p);
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let all: Vec<Vec<u8>> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        for p in &all {
+            assert_eq!(t.match_len(p), p.len());
+        }
+        let mut stored = t.check();
+        let mut want = all.clone();
+        stored.sort();
+        want.sort();
+        want.dedup();
+        assert_eq!(stored, want);
+    }
+
+    #[test]
+    fn concurrent_eviction_keeps_the_structure_sound() {
+        let t = Arc::new(PrefixTrie::with_label_bytes(300, 4));
+        let handles: Vec<_> = (0..4u64)
+            .map(|th| {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    for i in 0..2000u64 {
+                        let p = prompt(th * 100_000 + i % 97, b"sys:", i as usize % 40);
+                        t.insert(&p);
+                        let n = t.match_len(&p);
+                        assert!(n <= p.len());
+                        assert!(t.node_count() <= 300);
+                        if i % 500 == 0 {
+                            t.set_max_nodes(300 - (i as usize / 10));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        for p in t.check() {
+            assert_eq!(t.match_len(&p), p.len());
+        }
+    }
+
+    #[test]
+    fn readers_never_see_a_live_prompt_shrink_during_splits_and_merges() {
+        // One writer splits the anchor's path by inserting branches off it, then shrinks the cap
+        // so the branches are evicted and the path re-merges; readers must always see the
+        // anchor whole.
+        let k = 8;
+        let anchor = prompt(7, b"", 400);
+        let t = Arc::new(PrefixTrie::with_label_bytes(1 << 16, k));
+        t.insert(&anchor);
+        let alone = t.node_count();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (t, a, stop) = (t.clone(), anchor.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut bent = a.clone();
+                    *bent.last_mut().unwrap() ^= 0x80;
+                    let mut n = 0u64;
+                    while !stop.load(Relaxed) {
+                        assert_eq!(t.match_len(&a), a.len());
+                        assert_eq!(t.match_len(&bent), a.len() - 1);
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        for round in 0..300usize {
+            for j in 0..12usize {
+                let at = (round * 31 + j * 17) % anchor.len();
+                let mut b = anchor[..at].to_vec();
+                b.push(anchor[at] ^ (1 + j as u8));
+                b.extend_from_slice(&prompt(round as u64 * 13 + j as u64, b"", 5));
+                t.insert(&b);
+            }
+            t.insert(&anchor);
+            t.set_max_nodes(alone);
+            assert_eq!(t.node_count(), alone);
+            t.set_max_nodes(1 << 16);
+        }
+        stop.store(true, Relaxed);
+        for r in readers {
+            assert!(r.join().unwrap() > 0);
+        }
+        assert_eq!(t.check(), vec![anchor]);
+    }
+}
