@@ -45,7 +45,7 @@ pub fn start(listen: &str) -> Result<PathBuf, String> {
             "[[providers]]\nname = \"replica-{i}\"\nkind = \"openai_compatible\"\napi_base = \"{url}\"\n\n"
         ));
     }
-    toml.push_str("[[routes]]\nmodel = \"demo\"\nstrategy = \"least_load\"\n");
+    toml.push_str("[[routes]]\nmodel = \"demo\"\nstrategy = \"cache_aware\"\n");
     for i in 0..urls.len() {
         toml.push_str(&format!(
             "[[routes.targets]]\nprovider = \"replica-{i}\"\nmodel = \"sim-model\"\n"

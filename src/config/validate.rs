@@ -56,7 +56,9 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             ));
         }
         if !(0.0..=1.0).contains(&r.cache_threshold) {
-            out.push(format!("routes[{i}].cache_threshold: must be between 0 and 1"));
+            out.push(format!(
+                "routes[{i}].cache_threshold: must be between 0 and 1"
+            ));
         }
         if r.trie_max_nodes < 2 || r.trie_max_nodes > crate::prefix::trie::MAX_NODES_LIMIT {
             out.push(format!(

@@ -109,7 +109,9 @@ struct Dir {
 impl Dir {
     fn with_len(n: usize) -> Box<Dir> {
         Box::new(Dir {
-            segs: (0..n).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect(),
+            segs: (0..n)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
         })
     }
 
@@ -397,7 +399,9 @@ impl PrefixTrie {
         if !prompt.is_empty() {
             let walk = match seen {
                 Some(w) if cx.meta(w.node).ver.load(Relaxed) == w.ver => w,
-                _ => self.walk(prompt).expect("no concurrent writer under the lock"),
+                _ => self
+                    .walk(prompt)
+                    .expect("no concurrent writer under the lock"),
             };
             cx.apply(prompt, walk);
         }
@@ -793,18 +797,19 @@ impl<'a> Ctx<'a> {
                 let m = self.meta(n);
                 if shape_key0(s) == key {
                     m.kid[0].store(m.kid[1].load(Relaxed), Relaxed);
-                    m.shape
-                        .store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
+                    m.shape.store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
                 } else {
-                    m.shape
-                        .store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
+                    m.shape.store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
                 }
                 m.kid[1].store(NIL, Relaxed);
             }
             3 => {
                 let b = self.meta(n).kid[0].load(Relaxed);
-                let rest: Vec<(u8, u32)> =
-                    self.kids(n).into_iter().filter(|&(k, _)| k != key).collect();
+                let rest: Vec<(u8, u32)> = self
+                    .kids(n)
+                    .into_iter()
+                    .filter(|&(k, _)| k != key)
+                    .collect();
                 debug_assert_eq!(rest.len(), 2);
                 let m = self.meta(n);
                 m.kid[0].store(rest[0].1, Relaxed);
@@ -974,7 +979,9 @@ impl<'a> Ctx<'a> {
         self.kid_replace(p, lab[0], u);
         self.write_label(x, &lab[off..len]);
         let sx = self.shape(x);
-        self.meta(x).shape.store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
+        self.meta(x)
+            .shape
+            .store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
         unlock(self.meta(x));
         unlock(self.meta(p));
         self.w.wm[x as usize].parent = u;
@@ -1050,7 +1057,6 @@ impl<'a> Ctx<'a> {
     }
 }
 
-
 #[cfg(test)]
 impl PrefixTrie {
     /// Verify every structural invariant under the writer lock; return the stored prompts,
@@ -1078,7 +1084,11 @@ impl PrefixTrie {
                 let len = shape_len(s);
                 assert!((1..=k).contains(&len), "label length {len} of {id}");
                 let start = end - len;
-                assert_eq!(start / k, (end - 1) / k, "label of {id} crosses a chunk boundary");
+                assert_eq!(
+                    start / k,
+                    (end - 1) / k,
+                    "label of {id} crosses a chunk boundary"
+                );
                 nodes += 1;
                 bytes += len;
                 if term {
@@ -1252,7 +1262,11 @@ mod tests {
 
     fn assert_agrees(t: &PrefixTrie, m: &Model, probes: &[Vec<u8>]) {
         let stored = t.check();
-        assert_eq!(stored, Vec::from(m.live.clone()), "stored prompts / LRU order");
+        assert_eq!(
+            stored,
+            Vec::from(m.live.clone()),
+            "stored prompts / LRU order"
+        );
         assert_eq!(t.node_count(), m.slots(), "node count");
         assert_eq!(t.byte_count(), m.bytes(), "byte count");
         assert_eq!(t.prompt_count(), m.live.len());
@@ -1270,7 +1284,10 @@ mod tests {
         let t = PrefixTrie::new(10);
         assert_eq!(t.match_len(b""), 0);
         assert_eq!(t.match_len(b"hello"), 0);
-        assert_eq!((t.node_count(), t.byte_count(), t.prompt_count()), (0, 0, 0));
+        assert_eq!(
+            (t.node_count(), t.byte_count(), t.prompt_count()),
+            (0, 0, 0)
+        );
         t.insert(b"");
         assert_eq!(t.prompt_count(), 0, "empty prompts are not stored");
         t.check();
@@ -1337,8 +1354,8 @@ mod tests {
         t.insert(b"a1");
         t.insert(b"b1");
         t.insert(b"a1"); // refresh: now b1 is the oldest
-        // Root would need a third child plus its overflow block (4 slots): b1, now the oldest,
-        // goes; a1 and c1 fit inline again.
+                         // Root would need a third child plus its overflow block (4 slots): b1, now the oldest,
+                         // goes; a1 and c1 fit inline again.
         t.insert(b"c1");
         assert_eq!(t.check(), vec![b"a1".to_vec(), b"c1".to_vec()]);
         let t = PrefixTrie::with_label_bytes(3, 64);
@@ -1431,7 +1448,9 @@ mod tests {
         // Realistic fill: a shared 2 KiB system prompt, then 64 KiB of conversations growing by
         // ~600-byte turns, unique per conversation. Keeps inserting past the cap.
         let t = PrefixTrie::default();
-        let sys: Vec<u8> = (0..2048u32).map(|i| b"abcdefghij klmnopq"[i as usize % 18]).collect();
+        let sys: Vec<u8> = (0..2048u32)
+            .map(|i| b"abcdefghij klmnopq"[i as usize % 18])
+            .collect();
         let mut stored = 0usize;
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let mut conv = 0u64;
@@ -1497,7 +1516,10 @@ mod tests {
                     history.push(p);
                 }
                 Op::Extend(i, l, x) => {
-                    let mut p = history.get(i % history.len().max(1)).cloned().unwrap_or_default();
+                    let mut p = history
+                        .get(i % history.len().max(1))
+                        .cloned()
+                        .unwrap_or_default();
                     p.truncate(l % (p.len() + 1));
                     p.extend_from_slice(&x);
                     let before: Vec<(Vec<u8>, usize)> =
@@ -1585,7 +1607,10 @@ mod tests {
                 })
             })
             .collect();
-        let all: Vec<Vec<u8>> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        let all: Vec<Vec<u8>> = handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
         for p in &all {
             assert_eq!(t.match_len(p), p.len());
         }

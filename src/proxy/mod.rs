@@ -300,8 +300,14 @@ impl Gateway {
             "/metrics" => {
                 for t in self.runtime.registry().targets() {
                     let label = [t.label()];
-                    METRICS.trie_nodes.with_label_values(&label).set(t.trie.node_count() as i64);
-                    METRICS.trie_evictions.with_label_values(&label).set(t.trie.evictions() as i64);
+                    METRICS
+                        .trie_nodes
+                        .with_label_values(&label)
+                        .set(t.trie.node_count() as i64);
+                    METRICS
+                        .trie_evictions
+                        .with_label_values(&label)
+                        .set(t.trie.evictions() as i64);
                 }
                 (
                     200,

@@ -55,7 +55,9 @@ pub fn prefix_scores<'a>(
     fleet: &'a FleetView<'a>,
 ) -> impl Iterator<Item = (usize, f64)> + 'a {
     fleet.eligible().map(move |i| {
-        let matched = fleet.candidates[i].prefix.map_or(0, |t| t.match_len(prompt));
+        let matched = fleet.candidates[i]
+            .prefix
+            .map_or(0, |t| t.match_len(prompt));
         (i, matched as f64 / prompt.len().max(1) as f64)
     })
 }
@@ -94,7 +96,7 @@ impl Strategy for CacheAware {
                 Some((_, b)) if score < b => {}
                 Some((_, b)) if score == b => {
                     ties += 1;
-                    if rand::random::<usize>() % ties == 0 {
+                    if rand::Rng::gen_range(&mut rand::thread_rng(), 0..ties) == 0 {
                         best = Some((i, score));
                     }
                 }
@@ -134,7 +136,7 @@ mod tests {
     use crate::prefix::PrefixTrie;
     use crate::routing::Candidate;
 
-    fn fleet(tries: &[PrefixTrie], loads: &[u64], eligible: &[bool]) -> Vec<Candidate<'_>> {
+    fn fleet<'a>(tries: &'a [PrefixTrie], loads: &[u64], eligible: &[bool]) -> Vec<Candidate<'a>> {
         tries
             .iter()
             .zip(loads)
@@ -174,7 +176,10 @@ mod tests {
         t[1].insert(b"system: long shared prompt. user: hi");
         let c = fleet(&t, &[0, 1, 0], &[true; 3]);
         let d = CacheAware::default()
-            .select(&input(b"system: long shared prompt. user: hello"), &FleetView::new(&c))
+            .select(
+                &input(b"system: long shared prompt. user: hello"),
+                &FleetView::new(&c),
+            )
             .unwrap();
         assert_eq!((d.target, d.reason), (1, Reason::CacheHit));
         assert!(d.score.unwrap() > 0.8);
@@ -188,7 +193,9 @@ mod tests {
         let c = fleet(&t, &[0, 0, 1], &[true; 3]);
         let cs = CacheAware::default();
         for _ in 0..20 {
-            let d = cs.select(&input(b"abzzzzzzzzzzzz"), &FleetView::new(&c)).unwrap();
+            let d = cs
+                .select(&input(b"abzzzzzzzzzzzz"), &FleetView::new(&c))
+                .unwrap();
             assert_eq!(d.reason, Reason::BelowThreshold);
             assert_eq!(d.target, 0, "0 and 1 are least loaded; 0 holds fewer bytes");
         }
@@ -221,10 +228,14 @@ mod tests {
     fn empty_prompt_and_no_eligible_target() {
         let t = tries(2);
         let c = fleet(&t, &[1, 0], &[true, true]);
-        let d = CacheAware::default().select(&input(b""), &FleetView::new(&c)).unwrap();
+        let d = CacheAware::default()
+            .select(&input(b""), &FleetView::new(&c))
+            .unwrap();
         assert_eq!((d.target, d.reason), (1, Reason::Fallback));
         let none = fleet(&t, &[0, 0], &[false, false]);
-        assert!(CacheAware::default().select(&input(b"x"), &FleetView::new(&none)).is_none());
+        assert!(CacheAware::default()
+            .select(&input(b"x"), &FleetView::new(&none))
+            .is_none());
     }
 
     #[test]
@@ -235,7 +246,9 @@ mod tests {
         let c = fleet(&t, &[0, 0], &[true, true]);
         let mut seen = [0; 2];
         for _ in 0..200 {
-            let d = CacheAware::default().select(&input(b"same prefix here too"), &FleetView::new(&c)).unwrap();
+            let d = CacheAware::default()
+                .select(&input(b"same prefix here too"), &FleetView::new(&c))
+                .unwrap();
             seen[d.target] += 1;
         }
         assert!(seen[0] > 20 && seen[1] > 20, "{seen:?}");
@@ -262,13 +275,19 @@ mod tests {
             home.push(d.target);
         }
         assert!(load.iter().all(|&l| l >= 2), "burst not spread: {load:?}");
-        assert!(load.iter().max().unwrap() - load.iter().min().unwrap() <= 3, "{load:?}");
+        assert!(
+            load.iter().max().unwrap() - load.iter().min().unwrap() <= 3,
+            "{load:?}"
+        );
         // Everyone finishes; later turns extend each conversation and go home.
         let load = [0u64; 4];
         for (conv, &h) in home.iter().enumerate() {
-            let prompt = format!("{system}|user {conv}: first question|assistant: answer|user: follow-up");
+            let prompt =
+                format!("{system}|user {conv}: first question|assistant: answer|user: follow-up");
             let c = fleet(&t, &load, &[true; 4]);
-            let d = cs.select(&input(prompt.as_bytes()), &FleetView::new(&c)).unwrap();
+            let d = cs
+                .select(&input(prompt.as_bytes()), &FleetView::new(&c))
+                .unwrap();
             assert_eq!(d.reason, Reason::CacheHit);
             assert_eq!(d.target, h, "conversation {conv} left its cached target");
         }

@@ -1,0 +1,61 @@
+//! cache_aware through the real gateway: later turns of a conversation return to the
+//! replica that served its earlier turns; unrelated conversations spread out.
+
+mod common;
+
+use common::*;
+
+fn conversation(system: &str, conv: usize, turns: usize) -> String {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    for t in 0..turns {
+        messages.push(serde_json::json!({"role": "user", "content": format!("conversation {conv} question {t}")}));
+        messages.push(
+            serde_json::json!({"role": "assistant", "content": format!("answer {t} for {conv}")}),
+        );
+    }
+    messages.push(serde_json::json!({"role": "user", "content": format!("conversation {conv} next question")}));
+    serde_json::json!({"model": "alias", "messages": messages}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_stick_to_their_replica_and_spread_across_the_fleet() {
+    let stubs = [
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+        Stub::start("c").await.unwrap(),
+    ];
+    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
+    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    // Distinct system prompts per conversation: nothing shared across conversations.
+    let mut homes = Vec::new();
+    for conv in 0..6 {
+        let system = format!(
+            "You are assistant number {conv}. {}",
+            "Be helpful. ".repeat(50)
+        );
+        let (status, first, _) = post_chat(&gw, conversation(&system, conv, 0)).await;
+        assert_eq!(status, 200);
+        for turns in 1..4 {
+            let (status, id, _) = post_chat(&gw, conversation(&system, conv, turns)).await;
+            assert_eq!(status, 200);
+            assert_eq!(id, first, "conversation {conv} turn {turns} moved");
+        }
+        homes.push(first.unwrap());
+    }
+    // Cold conversations go to the least-warmed replica, so all three get some.
+    for s in ["a", "b", "c"] {
+        assert!(
+            homes.iter().any(|h| h == s),
+            "{s} got no conversation: {homes:?}"
+        );
+    }
+    let hits = gw
+        .metric("rolter_routing_decisions_total{reason=\"cache_hit\",strategy=\"cache_aware\"}")
+        .await;
+    assert_eq!(hits, Some(18.0));
+    let nodes: f64 = gw
+        .metric("rolter_trie_nodes{target=\"p0/upstream-model-0\"}")
+        .await
+        .unwrap();
+    assert!(nodes > 0.0);
+}
