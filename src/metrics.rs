@@ -40,6 +40,8 @@ pub struct Metrics {
     pub trie_nodes: IntGaugeVec,
     /// Prompts evicted from a target's trie by its node cap (refreshed at scrape time).
     pub trie_evictions: IntGaugeVec,
+    /// Sessions in a route's affinity table (refreshed at scrape time).
+    pub sessions: IntGaugeVec,
 }
 
 /// The process-wide metrics.
@@ -131,6 +133,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["target"]
     )
     .expect("register rolter_trie_evictions"),
+    sessions: register_int_gauge_vec!(
+        "rolter_sessions",
+        "Sessions in a route's affinity table",
+        &["route"]
+    )
+    .expect("register rolter_sessions"),
 });
 
 /// Render every registered metric in the Prometheus text format.

@@ -161,7 +161,10 @@ impl RouteTable {
                 .collect();
             let route = Route {
                 alias: r.model.clone(),
-                strategy: routing::build(r),
+                strategy: routing::build(
+                    r,
+                    registry.session_table(&r.model, r.session_ttl_s, r.session_cap),
+                ),
                 targets,
                 total_timeout: (total_ms > 0).then(|| Duration::from_millis(total_ms)),
             };
@@ -293,8 +296,10 @@ impl Runtime {
         match Self::read_table(&self.routes_path, &self.registry) {
             Ok(table) => {
                 let keep = table.target_keys();
+                let aliases = table.routes.keys().cloned().collect();
                 self.table.store(Arc::new(table));
                 self.registry.retain(&keep);
+                self.registry.retain_sessions(&aliases);
                 METRICS.reloads.with_label_values(&["ok"]).inc();
                 log::info!("reloaded routes from {}", self.routes_path.display());
                 Ok(())

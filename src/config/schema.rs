@@ -124,6 +124,8 @@ pub enum StrategyKind {
     RoundRobin,
     /// Fewest requests in flight, random tiebreak.
     LeastLoad,
+    /// Filter → weighted score (weight, load, prefix) → argmax, with session affinity.
+    Pipeline,
     /// Longest cached prefix (per-target prompt tries), with an overload guard.
     CacheAware,
 }
@@ -135,6 +137,7 @@ impl StrategyKind {
             StrategyKind::RoundRobin => "round_robin",
             StrategyKind::LeastLoad => "least_load",
             StrategyKind::CacheAware => "cache_aware",
+            StrategyKind::Pipeline => "pipeline",
         }
     }
 }
@@ -158,6 +161,46 @@ pub struct RouteConfig {
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
+    /// Session affinity lifetime after a session's last request (pipeline).
+    #[serde(default = "default_session_ttl_s")]
+    pub session_ttl_s: u64,
+    /// Most sessions remembered per route (pipeline).
+    #[serde(default = "default_session_cap")]
+    pub session_cap: usize,
+    /// Pipeline score term weights.
+    #[serde(default)]
+    pub pipeline: PipelineConfig,
+}
+
+/// Pipeline score term weights (see `routing::pipeline`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct PipelineConfig {
+    /// Weight of the randomised static-weight term.
+    pub static_weight: f64,
+    /// Weight of the load term.
+    pub load: f64,
+    /// Weight of the prefix-affinity term.
+    pub prefix: f64,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        let w = crate::routing::PipelineWeights::default();
+        PipelineConfig {
+            static_weight: w.static_weight,
+            load: w.load,
+            prefix: w.prefix,
+        }
+    }
+}
+
+fn default_session_ttl_s() -> u64 {
+    crate::routing::session::DEFAULT_SESSION_TTL_S
+}
+
+fn default_session_cap() -> usize {
+    crate::routing::session::DEFAULT_SESSION_CAP
 }
 
 fn default_cache_threshold() -> f64 {

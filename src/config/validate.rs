@@ -66,6 +66,23 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 crate::prefix::trie::MAX_NODES_LIMIT
             ));
         }
+        if r.session_ttl_s == 0 || r.session_cap == 0 {
+            out.push(format!(
+                "routes[{i}]: session_ttl_s and session_cap must be greater than 0"
+            ));
+        }
+        let w = &r.pipeline;
+        for (key, v) in [
+            ("static_weight", w.static_weight),
+            ("load", w.load),
+            ("prefix", w.prefix),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                out.push(format!(
+                    "routes[{i}].pipeline.{key}: must be a finite number >= 0"
+                ));
+            }
+        }
         let mut seen = HashSet::new();
         for (j, t) in r.targets.iter().enumerate() {
             if !names.contains(t.provider.as_str()) {

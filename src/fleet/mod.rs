@@ -12,6 +12,7 @@ pub mod probe;
 
 use crate::metrics::METRICS;
 use crate::prefix::PrefixTrie;
+use crate::routing::SessionTable;
 use breaker::Breaker;
 use dashmap::DashMap;
 use prometheus::IntGauge;
@@ -177,6 +178,7 @@ impl Drop for InflightGuard {
 pub struct Registry {
     targets: DashMap<TargetKey, Arc<TargetState>>,
     providers: DashMap<String, Arc<ProviderHealth>>,
+    sessions: DashMap<String, Arc<SessionTable>>,
 }
 
 impl Registry {
@@ -210,6 +212,31 @@ impl Registry {
         self.targets.retain(|k, _| keep.contains(k));
         self.providers
             .retain(|name, _| keep.iter().any(|k| &k.provider == name));
+    }
+
+    /// Forget session tables of routes that no longer exist.
+    pub fn retain_sessions(&self, aliases: &std::collections::HashSet<String>) {
+        self.sessions.retain(|alias, _| aliases.contains(alias));
+    }
+
+    /// A route's session table (keyed by alias, so sessions survive reloads), with
+    /// its settings updated to `ttl_s` / `cap`.
+    pub fn session_table(&self, alias: &str, ttl_s: u64, cap: usize) -> Arc<SessionTable> {
+        let table = self
+            .sessions
+            .entry(alias.to_string())
+            .or_insert_with(|| Arc::new(SessionTable::new(ttl_s, cap)))
+            .clone();
+        table.configure(ttl_s, cap);
+        table
+    }
+
+    /// Every route's session table, by alias.
+    pub fn session_tables(&self) -> Vec<(String, Arc<SessionTable>)> {
+        self.sessions
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
     }
 
     /// Every known target's state.

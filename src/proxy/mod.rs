@@ -135,6 +135,7 @@ impl Gateway {
             prompt: &parsed.prompt,
             token_ids: token_ids.as_deref(),
             session_id: session_id.as_deref(),
+            now_ms: now_ms(),
         };
         self.forward(session, ctx, &table, route, &input, &body, &parsed)
             .await
@@ -164,6 +165,7 @@ impl Gateway {
                     eligible: t.state.eligible(now),
                     weight: t.weight,
                     prefix: Some(&t.state.trie),
+                    label: t.state.label(),
                 })
                 .collect();
             let view = FleetView {
@@ -298,6 +300,12 @@ impl Gateway {
                 }
             }
             "/metrics" => {
+                for (alias, sessions) in self.runtime.registry().session_tables() {
+                    METRICS
+                        .sessions
+                        .with_label_values(&[&alias])
+                        .set(sessions.len() as i64);
+                }
                 for t in self.runtime.registry().targets() {
                     let label = [t.label()];
                     METRICS

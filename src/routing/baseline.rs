@@ -60,6 +60,7 @@ mod tests {
             eligible,
             weight: 1,
             prefix: None,
+            label: "",
         }
     }
 

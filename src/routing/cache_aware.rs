@@ -146,6 +146,7 @@ mod tests {
                 eligible,
                 weight: 1,
                 prefix: Some(t),
+                label: "",
             })
             .collect()
     }

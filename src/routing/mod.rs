@@ -8,12 +8,17 @@
 
 mod baseline;
 pub mod cache_aware;
+pub mod pipeline;
+pub mod session;
 
 pub use baseline::{LeastLoad, RoundRobin};
 pub use cache_aware::CacheAware;
+pub use pipeline::{Pipeline, PipelineWeights};
+pub use session::SessionTable;
 
 use crate::config::{RouteConfig, StrategyKind};
 use crate::prefix::PrefixTrie;
+use std::sync::Arc;
 
 /// What a strategy may look at in a request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,6 +29,8 @@ pub struct RouteInput<'a> {
     pub token_ids: Option<&'a [u32]>,
     /// `x-session-id`, if present.
     pub session_id: Option<&'a str>,
+    /// Now, in ms on the process's monotonic clock (session TTLs).
+    pub now_ms: u64,
 }
 
 /// A route target as the strategy sees it at decision time.
@@ -37,6 +44,8 @@ pub struct Candidate<'a> {
     pub weight: u32,
     /// Prompts this target has served (cache_aware, pipeline).
     pub prefix: Option<&'a PrefixTrie>,
+    /// Stable identity across reloads (`provider/model`), for session affinity.
+    pub label: &'a str,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
@@ -96,6 +105,10 @@ pub enum Reason {
     Overloaded,
     /// Nothing to score (empty prompt, no token ids, ...): least-loaded.
     Fallback,
+    /// The session's previous target (pipeline).
+    Affinity,
+    /// Highest pipeline score.
+    Scored,
 }
 
 impl Reason {
@@ -108,6 +121,8 @@ impl Reason {
             Reason::BelowThreshold => "below_threshold",
             Reason::Overloaded => "overloaded",
             Reason::Fallback => "fallback",
+            Reason::Affinity => "affinity",
+            Reason::Scored => "scored",
         }
     }
 }
@@ -135,12 +150,22 @@ pub trait Strategy: Send + Sync {
     fn record(&self, _input: &RouteInput, _fleet: &FleetView, _target: usize) {}
 }
 
-/// Build the strategy a route asks for.
-pub fn build(route: &RouteConfig) -> Box<dyn Strategy> {
+/// Build the strategy a route asks for; `sessions` is the route's (reload-surviving)
+/// session table.
+pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strategy> {
     match route.strategy {
         StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
         StrategyKind::LeastLoad => Box::new(LeastLoad),
         StrategyKind::CacheAware => Box::new(CacheAware::new(route.cache_threshold)),
+        StrategyKind::Pipeline => {
+            let w = &route.pipeline;
+            let weights = PipelineWeights {
+                static_weight: w.static_weight,
+                load: w.load,
+                prefix: w.prefix,
+            };
+            Box::new(Pipeline::new(weights, sessions))
+        }
     }
 }
 

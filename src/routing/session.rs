@@ -1,0 +1,149 @@
+//! Session affinity table: `x-session-id` → the target that last served it, with a TTL
+//! and a size cap. Concurrent (dashmap shards), bounded, and keyed by the target's
+//! stable label (`provider/model`) so entries survive config reloads.
+//!
+//! Time is passed in (ms on the process's monotonic clock); no I/O.
+
+use dashmap::DashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Default session lifetime after its last request (SPEC §2 `session_ttl_s`).
+pub const DEFAULT_SESSION_TTL_S: u64 = 300;
+/// Default most sessions remembered per route.
+pub const DEFAULT_SESSION_CAP: usize = 100_000;
+
+#[derive(Debug, Clone)]
+struct Entry {
+    target: Arc<str>,
+    expires_ms: u64,
+}
+
+/// One route's sessions.
+#[derive(Debug)]
+pub struct SessionTable {
+    map: DashMap<String, Entry>,
+    ttl_ms: AtomicU64,
+    cap: AtomicU64,
+    evictions: AtomicU64,
+}
+
+impl SessionTable {
+    /// A table with the given TTL and cap.
+    pub fn new(ttl_s: u64, cap: usize) -> Self {
+        SessionTable {
+            map: DashMap::new(),
+            ttl_ms: AtomicU64::new(ttl_s * 1000),
+            cap: AtomicU64::new(cap as u64),
+            evictions: AtomicU64::new(0),
+        }
+    }
+
+    /// Apply new settings (config reload) without losing entries.
+    pub fn configure(&self, ttl_s: u64, cap: usize) {
+        self.ttl_ms.store(ttl_s * 1000, Ordering::Relaxed);
+        self.cap.store(cap as u64, Ordering::Relaxed);
+    }
+
+    /// The target label a live session is pinned to.
+    pub fn get(&self, session: &str, now_ms: u64) -> Option<Arc<str>> {
+        let e = self.map.get(session)?;
+        (now_ms < e.expires_ms).then(|| e.target.clone())
+    }
+
+    /// Pin (or re-pin) a session to `target` from `now_ms` for one TTL.
+    pub fn put(&self, session: &str, target: &str, now_ms: u64) {
+        let expires_ms = now_ms + self.ttl_ms.load(Ordering::Relaxed);
+        match self.map.get_mut(session) {
+            Some(mut e) => {
+                if &*e.target != target {
+                    e.target = Arc::from(target);
+                }
+                e.expires_ms = expires_ms;
+            }
+            None => {
+                let cap = self.cap.load(Ordering::Relaxed) as usize;
+                if self.map.len() >= cap {
+                    self.make_room(now_ms, cap);
+                }
+                self.map.insert(
+                    session.to_string(),
+                    Entry {
+                        target: Arc::from(target),
+                        expires_ms,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Drop expired entries; if still at the cap, drop the entries closest to expiry
+    /// (the least recently used, since every use extends an entry by one TTL).
+    fn make_room(&self, now_ms: u64, cap: usize) {
+        self.map.retain(|_, e| e.expires_ms > now_ms);
+        let over = (self.map.len() + 1).saturating_sub(cap);
+        if over == 0 {
+            return;
+        }
+        // Evict a batch (1/8 of the cap) at once so this O(n) pass stays rare.
+        let batch = over.max(cap / 8).min(self.map.len());
+        let mut expiries: Vec<u64> = self.map.iter().map(|e| e.expires_ms).collect();
+        expiries.sort_unstable();
+        let cutoff = expiries[batch - 1];
+        let before = self.map.len();
+        self.map.retain(|_, e| e.expires_ms > cutoff);
+        self.evictions
+            .fetch_add((before - self.map.len()) as u64, Ordering::Relaxed);
+    }
+
+    /// Sessions remembered (including expired ones not yet swept).
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no session is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Sessions evicted by the cap so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_expires_and_use_extends() {
+        let t = SessionTable::new(1, 10);
+        t.put("s", "a", 0);
+        assert_eq!(t.get("s", 999).as_deref(), Some("a"));
+        t.put("s", "a", 900);
+        assert_eq!(
+            t.get("s", 1_800).as_deref(),
+            Some("a"),
+            "use extended the TTL"
+        );
+        assert_eq!(t.get("s", 1_900), None);
+        t.put("s", "b", 2_000);
+        assert_eq!(t.get("s", 2_001).as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn cap_evicts_the_least_recently_used_first() {
+        let t = SessionTable::new(100, 16);
+        for i in 0..16 {
+            t.put(&format!("s{i}"), "a", i);
+        }
+        t.put("s0", "a", 100); // s0 is now the most recently used
+        t.put("new", "b", 101);
+        assert!(t.len() <= 16);
+        assert!(t.evictions() >= 1);
+        assert!(t.get("s0", 102).is_some(), "recently used session evicted");
+        assert!(t.get("s1", 102).is_none(), "oldest session kept");
+        assert_eq!(t.get("new", 102).as_deref(), Some("b"));
+    }
+}
