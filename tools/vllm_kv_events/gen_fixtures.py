@@ -231,6 +231,17 @@ pub(
     [exp_stored([H_SMALL], None, [1, 2, 3, 4], BLOCK, medium="GPU", group_idx=2)],
 )
 pub(
+    "pub_map_offload_store",
+    "offloading connector announcement: CPU tier, parent None, token_ids [], block_size 0",
+    S.KVEventBatch(
+        ts=TS,
+        events=[S.BlockStored([H_BIG, H_SMALL], None, [], 0, None, S.MEDIUM_CPU, None)],
+        data_parallel_rank=0,
+    ),
+    [exp_stored([H_BIG, H_SMALL], None, [], 0, medium="CPU")],
+    dp_rank=0,
+)
+pub(
     "pub_map_empty_topic",
     "default empty topic, large sequence number, empty event list",
     S.KVEventBatch(ts=TS, events=[]),
