@@ -1,1 +1,3 @@
-//! TODO
+//! Data structures the routing strategies score against (pure: no sockets, no pingora).
+
+pub mod residency;
