@@ -10,3 +10,5 @@
 //! pure and unit-tested without sockets.
 
 pub mod decode;
+pub mod sequence;
+pub mod subscriber;
