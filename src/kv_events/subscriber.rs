@@ -439,14 +439,21 @@ impl KvEventSubscriber {
         continuous
     }
 
+    /// Apply a live batch after a repair, unless the repair already covered it. If
+    /// the repair stopped short of it (a hole remains), the index is rebuilt first.
     fn apply_unless_covered(&mut self, msg: &KvMessage, digest: u64) {
-        if !matches!(
-            self.tracker.classify(msg.seq, msg.stream_id),
-            SeqClass::Duplicate
-        ) && self.tracker.last().is_none_or(|a| msg.seq > a.seq)
-        {
-            self.apply(msg, digest);
+        match self.tracker.classify(msg.seq, msg.stream_id) {
+            SeqClass::Duplicate => return,
+            SeqClass::Gap { .. } | SeqClass::Restart => {
+                if self.tracker.last().is_some_and(|a| msg.seq <= a.seq) {
+                    return; // covered by the replay, outside its skip window
+                }
+                StreamState::bump(&self.state.gaps, 1);
+                self.rebuild();
+            }
+            SeqClass::First | SeqClass::InOrder => {}
         }
+        self.apply(msg, digest);
     }
 
     /// Drop the index and start over from the next batch.
