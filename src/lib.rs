@@ -9,6 +9,7 @@
 pub mod config;
 pub mod demo;
 pub mod fleet;
+pub mod kv_events;
 pub mod metrics;
 pub mod prefix;
 pub mod prompt;

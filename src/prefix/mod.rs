@@ -2,6 +2,8 @@
 //!
 //! Plain in-memory data structures only: no pingora, no tokio, no sockets, no I/O.
 
+pub mod residency;
 pub mod trie;
 
+pub use residency::ResidencyIndex;
 pub use trie::PrefixTrie;

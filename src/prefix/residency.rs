@@ -1,0 +1,1076 @@
+//! Bounded, exact index of the KV blocks one target (vLLM replica) holds, fed by its
+//! KV events and probed with a request's token ids.
+//!
+//! Owns per-target block residency and nothing else: no sockets, no clocks, no
+//! tokio/zeromq/pingora (it consumes the plain data types of
+//! [`crate::kv_events::decode`]); routing policy lives in `routing/precise.rs`.
+//!
+//! How tokens find blocks without vLLM's hash: vLLM's block hash is SHA-256 (or
+//! Python's `hash()`) over a pickle/CBOR of `(parent hash, tokens, extra keys)`,
+//! seeded per process in some releases, so the gateway never recomputes it (llm-d's
+//! kv-cache indexer and Dynamo's router do the same). Instead each `BlockStored`
+//! teaches the mapping `(parent, token chunk, LoRA) → engine hash`: the index
+//! computes its own chained 64-bit hash ([`PrefixChain`]) over the event's token
+//! chunks, starting from the parent's own hash (looked up through the engine-hash →
+//! own-hash map) or from a LoRA-specific root, and records `engine hash → own hash`.
+//! A request's token ids are chained the same way, and its score is the number of
+//! leading blocks whose own hash is resident. Blocks whose `extra_keys` carry more
+//! than the LoRA name (cache salt, multimodal hashes, prompt embeddings) get a
+//! tainted own hash: a request known only by its token ids can never hit them in
+//! vLLM either, so they never match.
+//!
+//! Exactness and idempotence:
+//! - Entries are keyed by `(group_idx, engine hash)` and carry a tier set (GPU, CPU,
+//!   storage, other). `BlockStored` adds its tier, `BlockRemoved` clears only its own
+//!   tier: a CPU-tier removal never drops GPU residency. No medium means GPU (the
+//!   releases before `medium` only reported the GPU pool).
+//! - Stores are idempotent (vLLM can re-announce cache hits); a re-store refreshes
+//!   the entry's age. vLLM may cache two physical copies of one hash and announce a
+//!   removal per copy; the index cannot tell copies from re-announcements, so the
+//!   first removal wins: it may under-report residency, never over-report it.
+//! - Removed entries are remembered (tier set empty) so later stores can still chain
+//!   from them as parents; they are the first to go when the index is full.
+//! - A store whose parent is unknown (the stream started mid-way, or the mapping was
+//!   evicted) cannot be placed in the chain and is skipped (`orphan_stores`); one
+//!   whose token count is not `block_size × hashes` (null blocks of sliding-window
+//!   groups) is skipped too (`misaligned_stores`). Token-less stores (vLLM's
+//!   offloading connector announcing CPU copies) only add a tier to known entries.
+//! - The block size is learned from the first store that carries tokens; stores of
+//!   another size are skipped (`foreign_block_size_stores`).
+//!
+//! Bounds: at most `max_entries` entries (resident or remembered); past that the
+//! oldest remembered-removed entries go first, then the least recently stored
+//! resident ones. Eviction queues are lazily invalidated and compacted, so memory
+//! stays O(max_entries).
+//!
+//! Concurrency: one `RwLock` per target (no lock spans targets). Readers hash the
+//! request outside the lock ([`PrefixChain`] is computed once per request and
+//! probed against every target with the same block size) and hold the read lock
+//! only for the hash-map probes; writers (the target's subscriber) take the write
+//! lock once per batch.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use parking_lot::RwLock;
+
+use crate::kv_events::decode::{BlockHash, BlockRemoved, BlockStored, ExtraKey, KvEvent, Medium};
+
+/// Default cap on entries per target: about 1M blocks, i.e. 16M tokens at vLLM's
+/// default block size of 16, more than a single replica's GPU + CPU cache holds.
+pub const DEFAULT_MAX_ENTRIES: usize = 1 << 20;
+
+/// Seed of every un-LoRA'd chain (the 64-bit golden ratio; any odd constant works).
+const ROOT_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+/// Domain separators so roots, chunks and taints never alias.
+const LORA_NAME_TAG: u64 = 0x4C4F_5241_4E41_4D45; // "LORANAME"
+const LORA_ID_TAG: u64 = 0x4C4F_5241_5F49_4400; // "LORA_ID"
+const TAINT_TAG: u64 = 0x5441_494E_5445_4421; // "TAINTED!"
+
+/// Tier bit of a block's medium.
+const TIER_GPU: u8 = 1;
+const TIER_CPU: u8 = 2;
+const TIER_STORAGE: u8 = 4;
+const TIER_OTHER: u8 = 8;
+
+/// Queues may hold this many stale items per live entry before being compacted.
+const QUEUE_SLACK: usize = 2;
+
+/// splitmix64's finaliser: a fast 64-bit bijection with good avalanche.
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Own hash of one block: its parent's own hash chained with its token chunk.
+#[inline]
+fn chain_hash(parent: u64, chunk: &[u32]) -> u64 {
+    let mut h = mix(parent ^ chunk.len() as u64);
+    let mut pairs = chunk.chunks_exact(2);
+    for p in &mut pairs {
+        h = mix(h ^ (u64::from(p[0]) | (u64::from(p[1]) << 32)));
+    }
+    if let [t] = pairs.remainder() {
+        h = mix(h ^ u64::from(*t) ^ (1 << 63));
+    }
+    h
+}
+
+fn bytes_digest(seed: u64, bytes: &[u8]) -> u64 {
+    let mut h = mix(seed ^ bytes.len() as u64);
+    for c in bytes.chunks(8) {
+        let mut buf = [0u8; 8];
+        buf[..c.len()].copy_from_slice(c);
+        h = mix(h ^ u64::from_le_bytes(buf));
+    }
+    h
+}
+
+/// Root of a chain: the base model's, or a LoRA adapter's (by name, else by id).
+fn chain_root(lora_name: Option<&str>, lora_id: Option<i64>) -> u64 {
+    match (lora_name, lora_id) {
+        (Some(name), _) => bytes_digest(ROOT_SEED ^ LORA_NAME_TAG, name.as_bytes()),
+        (None, Some(id)) => mix(ROOT_SEED ^ LORA_ID_TAG ^ id as u64),
+        (None, None) => ROOT_SEED,
+    }
+}
+
+/// Digest of a block's extra keys when they hold more than the LoRA name.
+fn taint(extra: &[ExtraKey], lora_name: Option<&str>) -> Option<u64> {
+    let plain = extra
+        .iter()
+        .all(|k| matches!(k, ExtraKey::Str(s) if Some(s.as_str()) == lora_name));
+    if plain {
+        return None;
+    }
+    let mut h = TAINT_TAG;
+    for k in extra {
+        h = match k {
+            ExtraKey::Str(s) => bytes_digest(h ^ 1, s.as_bytes()),
+            ExtraKey::Int(i) => mix(h ^ 2 ^ mix(*i as u64)),
+            ExtraKey::Bytes(b) => bytes_digest(h ^ 3, b),
+            ExtraKey::Other => mix(h ^ 4),
+        };
+    }
+    Some(h)
+}
+
+fn tier_bit(medium: Option<&Medium>) -> u8 {
+    match medium {
+        None | Some(Medium::Gpu) => TIER_GPU,
+        Some(Medium::Cpu) => TIER_CPU,
+        Some(Medium::Storage) => TIER_STORAGE,
+        Some(Medium::Other(_)) => TIER_OTHER,
+    }
+}
+
+/// A request's blocks as own hashes: compute once, probe every target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixChain {
+    block_size: u32,
+    hashes: Vec<u64>,
+}
+
+impl PrefixChain {
+    /// Chain the full blocks of `token_ids` (a trailing partial block is ignored).
+    /// `lora` is the adapter name the request runs under, `None` for the base model.
+    pub fn new(token_ids: &[u32], block_size: u32, lora: Option<&str>) -> Self {
+        let mut hashes = Vec::new();
+        if block_size > 0 {
+            hashes.reserve(token_ids.len() / block_size as usize);
+            let mut parent = chain_root(lora, None);
+            for chunk in token_ids.chunks_exact(block_size as usize) {
+                parent = chain_hash(parent, chunk);
+                hashes.push(parent);
+            }
+        }
+        PrefixChain { block_size, hashes }
+    }
+
+    /// Tokens per block the chain was cut with.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Number of full blocks.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// True when the request has no full block.
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+}
+
+/// How much of a request's prefix a target holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockMatch {
+    /// Leading blocks resident in GPU memory.
+    pub gpu_blocks: usize,
+    /// Leading blocks resident in any tier (GPU or offloaded); ≥ `gpu_blocks`.
+    pub any_tier_blocks: usize,
+    /// Full blocks in the request (0 when the block sizes differ or none is known).
+    pub total_blocks: usize,
+}
+
+impl BlockMatch {
+    /// Fraction of the request's full blocks resident on GPU (0 when there are none).
+    pub fn gpu_score(&self) -> f64 {
+        if self.total_blocks == 0 {
+            0.0
+        } else {
+            self.gpu_blocks as f64 / self.total_blocks as f64
+        }
+    }
+}
+
+/// Tiers an entry is resident in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tiers(u8);
+
+impl Tiers {
+    /// Resident in GPU memory.
+    pub fn gpu(self) -> bool {
+        self.0 & TIER_GPU != 0
+    }
+    /// Resident in some tier.
+    pub fn any(self) -> bool {
+        self.0 != 0
+    }
+    /// Resident in the tier of `medium`.
+    pub fn contains(self, medium: &Medium) -> bool {
+        self.0 & tier_bit(Some(medium)) != 0
+    }
+}
+
+/// What one [`ResidencyIndex::apply`] call did (added to the subscriber's counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ApplyStats {
+    /// Blocks stored (including idempotent re-stores and tier-only stores).
+    pub blocks_stored: u64,
+    /// Blocks whose tier was removed.
+    pub blocks_removed: u64,
+    /// Removals of blocks (or tiers) the index did not hold.
+    pub unknown_removals: u64,
+    /// `AllBlocksCleared` events applied.
+    pub clears: u64,
+    /// Stores skipped because their parent hash is unknown.
+    pub orphan_stores: u64,
+    /// Stores skipped because token count ≠ block_size × hashes.
+    pub misaligned_stores: u64,
+    /// Stores skipped because their block size differs from the learned one.
+    pub foreign_block_size_stores: u64,
+    /// Entries evicted to stay under the cap.
+    pub evictions: u64,
+}
+
+/// Hasher for keys that are (or contain) 64-bit hashes: one splitmix round per word.
+#[derive(Default)]
+struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = bytes_digest(self.0, bytes);
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.0 = mix(self.0 ^ u64::from(v) ^ (1 << 40));
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = mix(self.0 ^ v);
+    }
+}
+
+type MixBuild = BuildHasherDefault<MixHasher>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct EngineKey {
+    group: u32,
+    hash: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    own: u64,
+    tiers: u8,
+    /// Stamp of this entry's one live queue item.
+    stamp: u64,
+}
+
+/// How many entries with a given own hash are resident, per kind of residency.
+#[derive(Debug, Clone, Copy, Default)]
+struct OwnRefs {
+    gpu: u32,
+    any: u32,
+}
+
+#[derive(Default)]
+struct Inner {
+    block_size: Option<u32>,
+    entries: HashMap<EngineKey, Entry, MixBuild>,
+    own: HashMap<u64, OwnRefs, MixBuild>,
+    /// Resident entries, least recently stored first.
+    resident_q: VecDeque<(EngineKey, u64)>,
+    /// Remembered (removed) entries, oldest removal first.
+    removed_q: VecDeque<(EngineKey, u64)>,
+    next_stamp: u64,
+    gpu_entries: usize,
+}
+
+impl Inner {
+    fn clear_blocks(&mut self) {
+        let block_size = self.block_size;
+        *self = Inner {
+            block_size,
+            ..Inner::default()
+        };
+    }
+
+    fn stamp(&mut self) -> u64 {
+        self.next_stamp += 1;
+        self.next_stamp
+    }
+
+    /// Account for an own hash's entry going from tier set `was` to `now`.
+    fn retier(&mut self, own: u64, was: u8, now: u8) {
+        let gpu_delta = i64::from(now & TIER_GPU != 0) - i64::from(was & TIER_GPU != 0);
+        let any_delta = i64::from(now != 0) - i64::from(was != 0);
+        if gpu_delta == 0 && any_delta == 0 {
+            return;
+        }
+        self.gpu_entries = (self.gpu_entries as i64 + gpu_delta) as usize;
+        let refs = self.own.entry(own).or_default();
+        refs.gpu = (i64::from(refs.gpu) + gpu_delta) as u32;
+        refs.any = (i64::from(refs.any) + any_delta) as u32;
+        if refs.any == 0 {
+            self.own.remove(&own);
+        }
+    }
+
+    fn upsert(
+        &mut self,
+        key: EngineKey,
+        own: u64,
+        tier: u8,
+        max_entries: usize,
+        stats: &mut ApplyStats,
+    ) {
+        let stamp = self.stamp();
+        let (old_own, was) = match self.entries.get(&key) {
+            Some(e) => (Some(e.own), e.tiers),
+            None => (None, 0),
+        };
+        match old_own {
+            // The hash now chains from different content (a restart we missed, or a
+            // collision): the engine still holds a block under this hash in the same
+            // tiers, so move its residency to the newly learned own hash.
+            Some(o) if o != own => {
+                self.retier(o, was, 0);
+                self.retier(own, 0, was | tier);
+                self.entries.insert(
+                    key,
+                    Entry {
+                        own,
+                        tiers: was | tier,
+                        stamp,
+                    },
+                );
+            }
+            _ => {
+                self.retier(own, was, was | tier);
+                self.entries.insert(
+                    key,
+                    Entry {
+                        own,
+                        tiers: was | tier,
+                        stamp,
+                    },
+                );
+            }
+        }
+        self.resident_q.push_back((key, stamp));
+        stats.blocks_stored += 1;
+        if old_own.is_none() {
+            self.enforce_cap(max_entries, stats);
+        }
+        self.maybe_compact();
+    }
+
+    fn add_tier(&mut self, key: EngineKey, tier: u8, stats: &mut ApplyStats) -> bool {
+        let Some(e) = self.entries.get(&key).copied() else {
+            return false;
+        };
+        let stamp = self.stamp();
+        self.retier(e.own, e.tiers, e.tiers | tier);
+        self.entries.insert(
+            key,
+            Entry {
+                tiers: e.tiers | tier,
+                stamp,
+                ..e
+            },
+        );
+        self.resident_q.push_back((key, stamp));
+        stats.blocks_stored += 1;
+        self.maybe_compact();
+        true
+    }
+
+    fn remove(&mut self, key: EngineKey, tier: u8, stats: &mut ApplyStats) {
+        let Some(e) = self.entries.get(&key).copied() else {
+            stats.unknown_removals += 1;
+            return;
+        };
+        if e.tiers & tier == 0 {
+            stats.unknown_removals += 1;
+            return;
+        }
+        let now = e.tiers & !tier;
+        self.retier(e.own, e.tiers, now);
+        let stamp = if now == 0 {
+            // Remember the mapping for parent lookups; evictable first.
+            let s = self.stamp();
+            self.removed_q.push_back((key, s));
+            s
+        } else {
+            e.stamp
+        };
+        self.entries.insert(
+            key,
+            Entry {
+                tiers: now,
+                stamp,
+                ..e
+            },
+        );
+        stats.blocks_removed += 1;
+        self.maybe_compact();
+    }
+
+    fn enforce_cap(&mut self, max_entries: usize, stats: &mut ApplyStats) {
+        while self.entries.len() > max_entries {
+            let victim = Self::pop_live(&mut self.removed_q, &self.entries)
+                .or_else(|| Self::pop_live(&mut self.resident_q, &self.entries));
+            let Some(key) = victim else { break };
+            if let Some(e) = self.entries.remove(&key) {
+                self.retier(e.own, e.tiers, 0);
+                stats.evictions += 1;
+            }
+        }
+    }
+
+    fn pop_live(
+        q: &mut VecDeque<(EngineKey, u64)>,
+        entries: &HashMap<EngineKey, Entry, MixBuild>,
+    ) -> Option<EngineKey> {
+        while let Some((key, stamp)) = q.pop_front() {
+            if entries.get(&key).is_some_and(|e| e.stamp == stamp) {
+                return Some(key);
+            }
+        }
+        None
+    }
+
+    fn maybe_compact(&mut self) {
+        let limit = QUEUE_SLACK * self.entries.len() + 64;
+        if self.resident_q.len() + self.removed_q.len() <= limit {
+            return;
+        }
+        let entries = &self.entries;
+        let live =
+            |(key, stamp): &(EngineKey, u64)| entries.get(key).is_some_and(|e| e.stamp == *stamp);
+        self.resident_q.retain(live);
+        self.removed_q.retain(live);
+    }
+
+    fn store(&mut self, ev: &BlockStored, max_entries: usize, stats: &mut ApplyStats) {
+        let group = ev.group_idx.unwrap_or(0);
+        let tier = tier_bit(ev.medium.as_ref());
+        if ev.token_ids.is_empty() {
+            // Tier-only announcement (offloading connector): no tokens to chain.
+            for h in &ev.block_hashes {
+                if !self.add_tier(EngineKey { group, hash: h.0 }, tier, stats) {
+                    stats.orphan_stores += 1;
+                }
+            }
+            return;
+        }
+        let bs = ev.block_size;
+        match self.block_size {
+            Some(known) if known != bs => {
+                stats.foreign_block_size_stores += 1;
+                return;
+            }
+            _ => {}
+        }
+        if bs == 0 || ev.token_ids.len() as u64 != ev.block_hashes.len() as u64 * u64::from(bs) {
+            stats.misaligned_stores += 1;
+            return;
+        }
+        let mut parent = match ev.parent_block_hash {
+            None => chain_root(ev.lora_name.as_deref(), ev.lora_id),
+            Some(p) => match self.entries.get(&EngineKey { group, hash: p.0 }) {
+                Some(e) => e.own,
+                None => {
+                    stats.orphan_stores += 1;
+                    return;
+                }
+            },
+        };
+        self.block_size = Some(bs);
+        let extras = ev.extra_keys.as_deref().unwrap_or(&[]);
+        for (i, (h, chunk)) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(bs as usize))
+            .enumerate()
+        {
+            let mut own = chain_hash(parent, chunk);
+            if let Some(Some(extra)) = extras.get(i) {
+                if let Some(t) = taint(extra, ev.lora_name.as_deref()) {
+                    own = mix(own ^ t);
+                }
+            }
+            self.upsert(
+                EngineKey { group, hash: h.0 },
+                own,
+                tier,
+                max_entries,
+                stats,
+            );
+            parent = own;
+        }
+    }
+
+    fn remove_event(&mut self, ev: &BlockRemoved, stats: &mut ApplyStats) {
+        let group = ev.group_idx.unwrap_or(0);
+        let tier = tier_bit(ev.medium.as_ref());
+        for h in &ev.block_hashes {
+            self.remove(EngineKey { group, hash: h.0 }, tier, stats);
+        }
+    }
+}
+
+/// One target's block residency (see the module header).
+pub struct ResidencyIndex {
+    inner: RwLock<Inner>,
+    max_entries: usize,
+    /// Learned block size for lock-free reads (0 = none yet).
+    block_size: AtomicU32,
+}
+
+impl Default for ResidencyIndex {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_ENTRIES)
+    }
+}
+
+impl ResidencyIndex {
+    /// An empty index holding at most `max_entries` entries (at least 1).
+    pub fn new(max_entries: usize) -> Self {
+        ResidencyIndex {
+            inner: RwLock::new(Inner::default()),
+            max_entries: max_entries.max(1),
+            block_size: AtomicU32::new(0),
+        }
+    }
+
+    /// Apply a batch's events in order under one write lock.
+    pub fn apply(&self, events: &[KvEvent]) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        let mut inner = self.inner.write();
+        for ev in events {
+            match ev {
+                KvEvent::BlockStored(s) => inner.store(s, self.max_entries, &mut stats),
+                KvEvent::BlockRemoved(r) => inner.remove_event(r, &mut stats),
+                KvEvent::AllBlocksCleared => {
+                    inner.clear_blocks();
+                    stats.clears += 1;
+                }
+            }
+        }
+        self.block_size
+            .store(inner.block_size.unwrap_or(0), Ordering::Relaxed);
+        stats
+    }
+
+    /// Forget everything, block size included (the replica restarted or the stream
+    /// can no longer be trusted and is rebuilt from new events).
+    pub fn clear(&self) {
+        let mut inner = self.inner.write();
+        *inner = Inner::default();
+        self.block_size.store(0, Ordering::Relaxed);
+    }
+
+    /// Block size learned from the events, if any store carried tokens yet.
+    pub fn block_size(&self) -> Option<u32> {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    /// Leading blocks of `chain` this target holds. Zero if the chain was cut with a
+    /// block size other than the learned one.
+    pub fn match_chain(&self, chain: &PrefixChain) -> BlockMatch {
+        if self.block_size() != Some(chain.block_size) {
+            return BlockMatch::default();
+        }
+        let inner = self.inner.read();
+        let mut m = BlockMatch {
+            total_blocks: chain.len(),
+            ..BlockMatch::default()
+        };
+        let mut gpu_run = true;
+        for h in &chain.hashes {
+            match inner.own.get(h) {
+                Some(refs) if refs.any > 0 => {
+                    m.any_tier_blocks += 1;
+                    if gpu_run && refs.gpu > 0 {
+                        m.gpu_blocks += 1;
+                    } else {
+                        gpu_run = false;
+                    }
+                }
+                _ => break,
+            }
+        }
+        m
+    }
+
+    /// [`Self::match_chain`] with the learned block size; `lora` as in [`PrefixChain::new`].
+    pub fn match_prefix(&self, token_ids: &[u32], lora: Option<&str>) -> BlockMatch {
+        match self.block_size() {
+            Some(bs) => self.match_chain(&PrefixChain::new(token_ids, bs, lora)),
+            None => BlockMatch::default(),
+        }
+    }
+
+    /// Number of leading full blocks of `token_ids` (base model) resident on GPU, cut
+    /// at `block_size`; 0 when that is not the block size the events use.
+    pub fn match_blocks(&self, token_ids: &[u32], block_size: usize) -> usize {
+        match u32::try_from(block_size) {
+            Ok(bs) => {
+                self.match_chain(&PrefixChain::new(token_ids, bs, None))
+                    .gpu_blocks
+            }
+            Err(_) => 0,
+        }
+    }
+
+    /// Blocks resident on GPU (entries with the GPU tier).
+    pub fn block_count(&self) -> usize {
+        self.inner.read().gpu_entries
+    }
+
+    /// Entries held, resident or remembered for parent lookups (≤ the cap).
+    pub fn entry_count(&self) -> usize {
+        self.inner.read().entries.len()
+    }
+
+    /// The cap on entries.
+    pub fn max_entries(&self) -> usize {
+        self.max_entries
+    }
+
+    /// Tiers the block `(group, hash)` is resident in.
+    pub fn tiers(&self, group: u32, hash: BlockHash) -> Tiers {
+        let inner = self.inner.read();
+        Tiers(
+            inner
+                .entries
+                .get(&EngineKey {
+                    group,
+                    hash: hash.0,
+                })
+                .map_or(0, |e| e.tiers),
+        )
+    }
+
+    /// Engine hashes of every GPU-resident block (any group), sorted: for comparing
+    /// the index with a replica's real cache in end-to-end tests.
+    pub fn gpu_block_hashes(&self) -> Vec<BlockHash> {
+        let inner = self.inner.read();
+        let mut v: Vec<BlockHash> = inner
+            .entries
+            .iter()
+            .filter(|(_, e)| e.tiers & TIER_GPU != 0)
+            .map(|(k, _)| BlockHash(k.hash))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[cfg(test)]
+    fn check_invariants(&self) {
+        let inner = self.inner.read();
+        assert!(inner.entries.len() <= self.max_entries, "cap exceeded");
+        let mut refs: HashMap<u64, (u32, u32)> = HashMap::new();
+        let mut gpu = 0;
+        for e in inner.entries.values() {
+            if e.tiers != 0 {
+                let r = refs.entry(e.own).or_default();
+                r.1 += 1;
+                if e.tiers & TIER_GPU != 0 {
+                    r.0 += 1;
+                    gpu += 1;
+                }
+            }
+        }
+        assert_eq!(gpu, inner.gpu_entries, "gpu entry count");
+        assert_eq!(refs.len(), inner.own.len(), "own map size");
+        for (own, (g, a)) in refs {
+            let r = inner.own[&own];
+            assert_eq!((r.gpu, r.any), (g, a), "own refs");
+        }
+        let limit = QUEUE_SLACK * inner.entries.len() + 64 + 1;
+        assert!(
+            inner.resident_q.len() + inner.removed_q.len() <= limit,
+            "queues bounded"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap as StdMap;
+
+    const BS: u32 = 4;
+
+    fn stored(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        medium: Option<Medium>,
+    ) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.iter().map(|h| BlockHash(*h)).collect(),
+            parent_block_hash: parent.map(BlockHash),
+            token_ids: tokens.to_vec(),
+            block_size: BS,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            extra_keys: None,
+            group_idx: None,
+        })
+    }
+
+    fn removed(hashes: &[u64], medium: Option<Medium>) -> KvEvent {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes.iter().map(|h| BlockHash(*h)).collect(),
+            medium,
+            group_idx: None,
+        })
+    }
+
+    fn toks(n_blocks: u32, base: u32) -> Vec<u32> {
+        (0..n_blocks * BS).map(|i| base + i).collect()
+    }
+
+    #[test]
+    fn learns_chain_and_matches_leading_blocks() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(3, 100);
+        // First two blocks in one event, the third chained by parent hash.
+        idx.apply(&[stored(&[11, 12], None, &t[..8], Some(Medium::Gpu))]);
+        idx.apply(&[stored(&[13], Some(12), &t[8..], None)]);
+        assert_eq!(idx.block_size(), Some(BS));
+        assert_eq!(idx.block_count(), 3);
+        let mut req = t.clone();
+        req.extend([1, 2, 3]); // a partial trailing block is ignored
+        let m = idx.match_prefix(&req, None);
+        assert_eq!((m.gpu_blocks, m.any_tier_blocks, m.total_blocks), (3, 3, 3));
+        assert_eq!(idx.match_blocks(&req, BS as usize), 3);
+        assert_eq!(
+            idx.match_blocks(&req, 8),
+            0,
+            "other block size never matches"
+        );
+        // A different second block stops the match after the first.
+        let mut other = t.clone();
+        other[5] = 9999;
+        assert_eq!(idx.match_blocks(&other, BS as usize), 1);
+        // Removing the middle block cuts the prefix there.
+        idx.apply(&[removed(&[12], None)]);
+        assert_eq!(idx.match_blocks(&t, BS as usize), 1);
+        // Re-storing it (same parent, same tokens) restores the whole chain.
+        idx.apply(&[stored(&[12], Some(11), &t[4..8], None)]);
+        assert_eq!(idx.match_blocks(&t, BS as usize), 3);
+        idx.check_invariants();
+    }
+
+    #[test]
+    fn stores_are_idempotent_and_removal_is_exact() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(2, 0);
+        for _ in 0..3 {
+            idx.apply(&[stored(&[1, 2], None, &t, None)]);
+        }
+        assert_eq!(idx.block_count(), 2);
+        assert_eq!(idx.entry_count(), 2);
+        let s = idx.apply(&[
+            removed(&[2], None),
+            removed(&[2], None),
+            removed(&[77], None),
+        ]);
+        assert_eq!((s.blocks_removed, s.unknown_removals), (1, 2));
+        assert_eq!(idx.block_count(), 1);
+        assert_eq!(
+            idx.entry_count(),
+            2,
+            "removed mapping remembered for parents"
+        );
+        idx.check_invariants();
+    }
+
+    #[test]
+    fn cpu_tier_never_drops_gpu_residency() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(2, 0);
+        idx.apply(&[stored(&[1, 2], None, &t, Some(Medium::Gpu))]);
+        // Offloading connector: token-less CPU copies, then their removal.
+        let cpu_copy = KvEvent::BlockStored(BlockStored {
+            block_size: 0,
+            ..match stored(&[1, 2, 3], None, &[], Some(Medium::Cpu)) {
+                KvEvent::BlockStored(s) => s,
+                _ => unreachable!(),
+            }
+        });
+        let s = idx.apply(&[cpu_copy]);
+        assert_eq!(
+            (s.blocks_stored, s.orphan_stores),
+            (2, 1),
+            "unknown hash 3 skipped"
+        );
+        assert!(idx.tiers(0, BlockHash(1)).contains(&Medium::Cpu));
+        idx.apply(&[removed(&[1, 2], Some(Medium::Cpu))]);
+        assert_eq!(idx.match_blocks(&t, BS as usize), 2);
+        // GPU eviction with a CPU copy left: offloaded, not on GPU.
+        idx.apply(&[stored(&[1], None, &t[..4], Some(Medium::Cpu))]);
+        idx.apply(&[removed(&[1], Some(Medium::Gpu))]);
+        let m = idx.match_prefix(&t, None);
+        assert_eq!((m.gpu_blocks, m.any_tier_blocks), (0, 2));
+        idx.check_invariants();
+    }
+
+    #[test]
+    fn lora_chains_and_salted_blocks_stay_apart() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(1, 0);
+        let KvEvent::BlockStored(base) = stored(&[1], None, &t, None) else {
+            unreachable!()
+        };
+        idx.apply(&[KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![BlockHash(2)],
+            lora_name: Some("sql".into()),
+            extra_keys: Some(vec![Some(vec![ExtraKey::Str("sql".into())])]),
+            ..base.clone()
+        })]);
+        assert_eq!(idx.match_prefix(&t, None).gpu_blocks, 0);
+        assert_eq!(idx.match_prefix(&t, Some("sql")).gpu_blocks, 1);
+        assert_eq!(idx.match_prefix(&t, Some("other")).gpu_blocks, 0);
+        // A salted block is never matched by token ids alone.
+        idx.apply(&[KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![BlockHash(3)],
+            extra_keys: Some(vec![Some(vec![ExtraKey::Str("salt".into())])]),
+            ..base.clone()
+        })]);
+        assert_eq!(idx.match_prefix(&t, None).gpu_blocks, 0);
+        idx.apply(&[KvEvent::BlockStored(base)]);
+        assert_eq!(idx.match_prefix(&t, None).gpu_blocks, 1);
+    }
+
+    #[test]
+    fn skips_orphans_misaligned_and_foreign_sizes() {
+        let idx = ResidencyIndex::new(100);
+        let s = idx.apply(&[stored(&[5], Some(4), &toks(1, 0), None)]);
+        assert_eq!(s.orphan_stores, 1);
+        let s = idx.apply(&[stored(&[5, 6], None, &toks(1, 0), None)]);
+        assert_eq!(s.misaligned_stores, 1);
+        assert_eq!(idx.block_size(), None);
+        idx.apply(&[stored(&[1], None, &toks(1, 0), None)]);
+        let KvEvent::BlockStored(e) = stored(&[9], None, &toks(2, 0), None) else {
+            unreachable!()
+        };
+        let s = idx.apply(&[KvEvent::BlockStored(BlockStored {
+            block_size: 2 * BS,
+            ..e
+        })]);
+        assert_eq!(s.foreign_block_size_stores, 1);
+        assert_eq!(idx.block_size(), Some(BS));
+    }
+
+    #[test]
+    fn clear_and_all_blocks_cleared() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(2, 0);
+        idx.apply(&[stored(&[1, 2], None, &t, None), KvEvent::AllBlocksCleared]);
+        assert_eq!((idx.block_count(), idx.entry_count()), (0, 0));
+        assert_eq!(
+            idx.block_size(),
+            Some(BS),
+            "AllBlocksCleared keeps the block size"
+        );
+        idx.apply(&[stored(&[1, 2], None, &t, None)]);
+        idx.clear();
+        assert_eq!(idx.block_size(), None);
+        assert_eq!(idx.match_blocks(&t, BS as usize), 0);
+    }
+
+    #[test]
+    fn eviction_prefers_removed_then_oldest() {
+        let idx = ResidencyIndex::new(3);
+        let t = toks(1, 0);
+        let u = toks(1, 50);
+        let v = toks(1, 90);
+        idx.apply(&[stored(&[1], None, &t, None), stored(&[2], None, &u, None)]);
+        idx.apply(&[removed(&[1], None)]); // 1 remembered, 2 resident
+        idx.apply(&[stored(&[3], None, &v, None)]);
+        let s = idx.apply(&[stored(&[4], Some(3), &t, None)]);
+        assert_eq!(s.evictions, 1);
+        assert_eq!(idx.entry_count(), 3);
+        assert!(
+            idx.tiers(0, BlockHash(2)).gpu(),
+            "resident survives while removed go first"
+        );
+        let s = idx.apply(&[stored(&[5], Some(4), &u, None)]);
+        assert_eq!(s.evictions, 1);
+        assert!(
+            !idx.tiers(0, BlockHash(2)).any(),
+            "then the least recently stored"
+        );
+        idx.check_invariants();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Store {
+            hashes: Vec<u64>,
+            parent: Option<u64>,
+            seed: u32,
+            tier: u8,
+        },
+        TierOnly {
+            hashes: Vec<u64>,
+            tier: u8,
+        },
+        Remove {
+            hashes: Vec<u64>,
+            tier: u8,
+        },
+        Clear,
+    }
+
+    fn medium_of(tier: u8) -> Option<Medium> {
+        match tier {
+            0 => None,
+            1 => Some(Medium::Gpu),
+            2 => Some(Medium::Cpu),
+            _ => Some(Medium::Storage),
+        }
+    }
+
+    fn op_strategy() -> impl Strategy<Value = Op> {
+        let hashes = proptest::collection::vec(0u64..24, 1..4);
+        prop_oneof![
+            5 => (hashes.clone(), proptest::option::of(0u64..24), 0u32..3, 0u8..4)
+                .prop_map(|(hashes, parent, seed, tier)| Op::Store { hashes, parent, seed, tier }),
+            1 => (hashes.clone(), 1u8..4).prop_map(|(hashes, tier)| Op::TierOnly { hashes, tier }),
+            3 => (hashes, 0u8..4).prop_map(|(hashes, tier)| Op::Remove { hashes, tier }),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    fn to_event(op: &Op) -> KvEvent {
+        match op {
+            Op::Store {
+                hashes,
+                parent,
+                seed,
+                tier,
+            } => {
+                let tokens: Vec<u32> = (0..hashes.len() as u32 * BS)
+                    .map(|i| seed * 1000 + i)
+                    .collect();
+                stored(hashes, *parent, &tokens, medium_of(*tier))
+            }
+            Op::TierOnly { hashes, tier } => stored(hashes, None, &[], medium_of(*tier)),
+            Op::Remove { hashes, tier } => removed(hashes, medium_of(*tier)),
+            Op::Clear => KvEvent::AllBlocksCleared,
+        }
+    }
+
+    /// Reference model without a cap: hash → tier bits (0 = remembered after removal).
+    fn model_apply(model: &mut StdMap<u64, u8>, op: &Op) {
+        let bit = |t: u8| tier_bit(medium_of(t).as_ref());
+        match op {
+            Op::Store {
+                hashes,
+                parent,
+                tier,
+                ..
+            } => {
+                if parent.is_some_and(|p| !model.contains_key(&p)) {
+                    return;
+                }
+                for h in hashes {
+                    *model.entry(*h).or_insert(0) |= bit(*tier);
+                }
+            }
+            Op::TierOnly { hashes, tier } => {
+                for h in hashes {
+                    if let Some(t) = model.get_mut(h) {
+                        *t |= bit(*tier);
+                    }
+                }
+            }
+            Op::Remove { hashes, tier } => {
+                for h in hashes {
+                    if let Some(t) = model.get_mut(h) {
+                        *t &= !bit(*tier);
+                    }
+                }
+            }
+            Op::Clear => model.clear(),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn cap_is_never_exceeded(ops in proptest::collection::vec(op_strategy(), 1..80), cap in 1usize..12) {
+            let idx = ResidencyIndex::new(cap);
+            for op in &ops {
+                idx.apply(&[to_event(op)]);
+                prop_assert!(idx.entry_count() <= cap);
+                idx.check_invariants();
+            }
+        }
+
+        #[test]
+        fn residency_matches_the_reference_model(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+            let idx = ResidencyIndex::new(1_000);
+            let mut model = StdMap::new();
+            for op in &ops {
+                idx.apply(&[to_event(op)]);
+                model_apply(&mut model, op);
+            }
+            idx.check_invariants();
+            for h in 0u64..24 {
+                let want = model.get(&h).copied().unwrap_or(0);
+                prop_assert_eq!(idx.tiers(0, BlockHash(h)).0, want, "hash {}", h);
+            }
+            let gpu: usize = model.values().filter(|t| **t & TIER_GPU != 0).count();
+            prop_assert_eq!(idx.block_count(), gpu);
+        }
+
+        #[test]
+        fn offloaded_tier_events_never_touch_gpu(
+            ops in proptest::collection::vec((proptest::collection::vec(0u64..8, 1..4), 2u8..4, any::<bool>()), 0..40)
+        ) {
+            let idx = ResidencyIndex::new(1_000);
+            let t = toks(4, 7);
+            idx.apply(&[stored(&[0, 1, 2, 3], None, &t, Some(Medium::Gpu))]);
+            for (hashes, tier, store) in &ops {
+                let op = if *store {
+                    Op::TierOnly { hashes: hashes.clone(), tier: *tier }
+                } else {
+                    Op::Remove { hashes: hashes.clone(), tier: *tier }
+                };
+                idx.apply(&[to_event(&op)]);
+            }
+            prop_assert_eq!(idx.match_blocks(&t, BS as usize), 4);
+            prop_assert_eq!(idx.block_count(), 4);
+        }
+    }
+}
