@@ -166,6 +166,7 @@ impl Gateway {
                     weight: t.weight,
                     prefix: Some(&t.state.trie),
                     label: t.state.label(),
+                    kv: None,
                 })
                 .collect();
             let view = FleetView {

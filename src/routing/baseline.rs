@@ -61,6 +61,7 @@ mod tests {
             weight: 1,
             prefix: None,
             label: "",
+            kv: None,
         }
     }
 

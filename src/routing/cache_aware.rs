@@ -147,6 +147,7 @@ mod tests {
                 weight: 1,
                 prefix: Some(t),
                 label: "",
+                kv: None,
             })
             .collect()
     }

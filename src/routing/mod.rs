@@ -9,11 +9,13 @@
 mod baseline;
 pub mod cache_aware;
 pub mod pipeline;
+pub mod precise;
 pub mod session;
 
 pub use baseline::{LeastLoad, RoundRobin};
 pub use cache_aware::CacheAware;
 pub use pipeline::{Pipeline, PipelineWeights};
+pub use precise::{KvView, PreciseCacheAware};
 pub use session::SessionTable;
 
 use crate::config::{RouteConfig, StrategyKind};
@@ -46,6 +48,8 @@ pub struct Candidate<'a> {
     pub prefix: Option<&'a PrefixTrie>,
     /// Stable identity across reloads (`provider/model`), for session affinity.
     pub label: &'a str,
+    /// Blocks the replica reported resident via KV events (precise_cache_aware).
+    pub kv: Option<KvView<'a>>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.

@@ -153,6 +153,7 @@ mod tests {
                 weight: weights[i],
                 prefix: Some(&tries[i]),
                 label: LABELS[i],
+                kv: None,
             })
             .collect()
     }
