@@ -8,7 +8,9 @@
 
 pub mod config;
 pub mod demo;
+pub mod egress;
 pub mod fleet;
+pub mod lmcache_poll;
 pub mod metrics;
 pub mod prompt;
 pub mod proxy;

@@ -28,6 +28,8 @@ pub struct Metrics {
     pub reloads: IntCounterVec,
     /// Upstream connections by whether they came from the pool (reused=true/false).
     pub upstream_connections: IntCounterVec,
+    /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
+    pub lmcache_polls: IntCounterVec,
 }
 
 /// The process-wide metrics.
@@ -82,6 +84,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["reused"]
     )
     .expect("register rolter_upstream_connections_total"),
+    lmcache_polls: register_int_counter_vec!(
+        "rolter_lmcache_polls_total",
+        "LMCache status polls by provider and result (ok, error, invalid, timeout, denied)",
+        &["provider", "result"]
+    )
+    .expect("register rolter_lmcache_polls_total"),
 });
 
 /// Render every registered metric in the Prometheus text format.

@@ -5,6 +5,7 @@
 //! Must not: hold request-path logic.
 
 use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
+use crate::lmcache_poll::LmcachePollService;
 use crate::proxy::Gateway;
 use crate::runtime::{ReloadOnSighup, Runtime};
 use clap::Parser;
@@ -57,6 +58,10 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "rolter");
     proxy.add_tcp(&cli.listen);
     server.add_service(proxy);
+    server.add_service(background_service(
+        "lmcache-poll",
+        LmcachePollService(runtime.clone()),
+    ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run_forever();

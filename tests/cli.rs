@@ -40,20 +40,42 @@ model = "x"
 "#;
     let (ok, out) = check(toml);
     assert!(!ok, "{out}");
-    let lines: Vec<&str> = out.lines().filter(|l| l.contains("routes.toml: ")).collect();
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("routes.toml: "))
+        .collect();
     assert_eq!(lines.len(), 3, "{out}");
-    assert!(lines.iter().any(|l| l.contains("providers.0.flavour: unknown key")), "{out}");
-    assert!(lines.iter().any(|l| l.contains("unknown provider \"nobody\"")), "{out}");
-    assert!(lines.iter().any(|l| l.contains("api_base: bad URL")), "{out}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("providers.0.flavour: unknown key")),
+        "{out}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("unknown provider \"nobody\"")),
+        "{out}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("api_base: bad URL")),
+        "{out}"
+    );
 }
 
 #[test]
 fn test_flag_accepts_a_good_file_and_the_shipped_examples() {
-    let (ok, out) = check(&routes_toml(&["http://127.0.0.1:9".into()], "least_load", ""));
+    let (ok, out) = check(&routes_toml(
+        &["http://127.0.0.1:9".into()],
+        "least_load",
+        "",
+    ));
     assert!(ok, "{out}");
     assert!(out.contains("routing file ok"), "{out}");
     for file in ["conf/rolter.example.toml", "conf/demo.toml"] {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/").to_string() + file).unwrap();
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/").to_string() + file)
+                .unwrap();
         let (ok, out) = check(&text);
         assert!(ok, "{file}: {out}");
     }

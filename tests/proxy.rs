@@ -25,20 +25,32 @@ async fn model_rewrite_and_a_1mib_prompt_arrive_byte_for_byte_over_a_reused_conn
     assert_eq!(rec.len(), 2);
     let expected = body.replacen("\"model\":\"alias\"", "\"model\":\"upstream-model-0\"", 1);
     assert!(rec[1].body.len() > 1024 * 1024);
-    assert!(rec[1].body == expected.as_bytes(), "upstream body differs from the rewritten client body");
+    assert!(
+        rec[1].body == expected.as_bytes(),
+        "upstream body differs from the rewritten client body"
+    );
     assert_eq!(
         rec[1].headers["content-length"].to_str().unwrap(),
         expected.len().to_string()
     );
     assert_eq!(rec[1].uri, "/v1/chat/completions");
-    assert_eq!(rec[0].peer, rec[1].peer, "second request should reuse the pooled upstream connection");
+    assert_eq!(
+        rec[0].peer, rec[1].peer,
+        "second request should reuse the pooled upstream connection"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_over_the_limit_gets_413_and_never_reaches_upstream() {
     let stub = Stub::start("a").await.unwrap();
-    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "[limits]\nmax_body_bytes = 65536\n")).await;
-    let (status, _, body) = post_chat(&gw, chat_body("alias", &"y".repeat(1024 * 1024), false)).await;
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nmax_body_bytes = 65536\n",
+    ))
+    .await;
+    let (status, _, body) =
+        post_chat(&gw, chat_body("alias", &"y".repeat(1024 * 1024), false)).await;
     assert_eq!(status, 413);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["code"], "body_too_large");
@@ -46,7 +58,11 @@ async fn body_over_the_limit_gets_413_and_never_reaches_upstream() {
     // The gateway is still fine.
     let (status, _, _) = post_chat(&gw, chat_body("alias", "small", false)).await;
     assert_eq!(status, 200);
-    assert_eq!(gw.metric("rolter_request_errors_total{kind=\"body_too_large\"}").await, Some(1.0));
+    assert_eq!(
+        gw.metric("rolter_request_errors_total{kind=\"body_too_large\"}")
+            .await,
+        Some(1.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,15 +94,27 @@ async fn sse_chunks_reach_the_client_before_the_upstream_finishes() {
     let first_data = arrivals[0];
     let last = *arrivals.last().unwrap();
     // The upstream takes 5 × 300 ms; the first chunk must not wait for the end.
-    assert!(last >= Duration::from_millis(1400), "stream ended too early: {last:?}");
-    assert!(last - first_data >= Duration::from_millis(1000), "first chunk at {first_data:?}, last at {last:?}");
+    assert!(
+        last >= Duration::from_millis(1400),
+        "stream ended too early: {last:?}"
+    );
+    assert!(
+        last - first_data >= Duration::from_millis(1000),
+        "first chunk at {first_data:?}, last at {last:?}"
+    );
     assert!(arrivals.len() >= 4, "chunks were coalesced: {arrivals:?}");
-    assert!(text.contains("a-0") && text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert!(
+        text.contains("a-0") && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_alternates() {
-    let (a, b) = (Stub::start("a").await.unwrap(), Stub::start("b").await.unwrap());
+    let (a, b) = (
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    );
     let gw = Gateway::start(&routes_toml(&[a.url(), b.url()], "round_robin", "")).await;
     let mut ids = Vec::new();
     for i in 0..6 {
@@ -98,13 +126,20 @@ async fn round_robin_alternates() {
         assert_ne!(pair[0], pair[1], "{ids:?}");
     }
     // Each stub saw its own upstream model name.
-    assert!(a.recorded().iter().all(|r| std::str::from_utf8(&r.body).unwrap().contains("\"upstream-model-0\"")));
-    assert!(b.recorded().iter().all(|r| std::str::from_utf8(&r.body).unwrap().contains("\"upstream-model-1\"")));
+    assert!(a.recorded().iter().all(|r| std::str::from_utf8(&r.body)
+        .unwrap()
+        .contains("\"upstream-model-0\"")));
+    assert!(b.recorded().iter().all(|r| std::str::from_utf8(&r.body)
+        .unwrap()
+        .contains("\"upstream-model-1\"")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
-    let (a, b) = (Stub::start("a").await.unwrap(), Stub::start("b").await.unwrap());
+    let (a, b) = (
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    );
     let slow = Behaviour {
         delay: Duration::from_millis(1500),
         ..Default::default()
@@ -125,14 +160,23 @@ async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
             .unwrap()
             .to_string()
     });
-    assert!(eventually(Duration::from_secs(5), || async { a.active() + b.active() == 1 }).await);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            a.active() + b.active() == 1
+        })
+        .await
+    );
     let busy = if a.active() == 1 { "a" } else { "b" };
     a.set_behaviour(Behaviour::default());
     b.set_behaviour(Behaviour::default());
     for i in 0..5 {
         let (status, id, _) = post_chat(&gw, chat_body("alias", &format!("fast {i}"), false)).await;
         assert_eq!(status, 200);
-        assert_ne!(id.as_deref(), Some(busy), "request {i} went to the busy target");
+        assert_ne!(
+            id.as_deref(),
+            Some(busy),
+            "request {i} went to the busy target"
+        );
     }
     assert_eq!(slow_req.await.unwrap(), busy);
 }
@@ -158,12 +202,17 @@ async fn inflight_returns_to_zero_after_a_client_disconnects_mid_stream() {
     assert_eq!(gw.metric(series).await, Some(1.0));
     drop(stream); // client goes away mid-stream
     assert!(
-        eventually(Duration::from_secs(5), || async { gw.metric(series).await == Some(0.0) }).await,
+        eventually(Duration::from_secs(5), || async {
+            gw.metric(series).await == Some(0.0)
+        })
+        .await,
         "in-flight did not return to 0"
     );
     assert!(
         eventually(Duration::from_secs(5), || async {
-            gw.metric("rolter_request_errors_total{kind=\"client_disconnect\"}").await == Some(1.0)
+            gw.metric("rolter_request_errors_total{kind=\"client_disconnect\"}")
+                .await
+                == Some(1.0)
         })
         .await
     );
@@ -180,7 +229,10 @@ async fn metrics_and_errors_move() {
     }
     assert_eq!(gw.metric(ok).await, Some(3.0));
     assert_eq!(
-        gw.metric("rolter_routing_decisions_total{reason=\"round_robin\",strategy=\"round_robin\"}").await,
+        gw.metric(
+            "rolter_routing_decisions_total{reason=\"round_robin\",strategy=\"round_robin\"}"
+        )
+        .await,
         Some(3.0)
     );
 
@@ -190,11 +242,27 @@ async fn metrics_and_errors_move() {
     assert_eq!(status, 404);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    assert!(v["error"]["message"].as_str().unwrap().contains("no-such-model"));
-    assert_eq!(gw.metric("rolter_request_errors_total{kind=\"bad_request\"}").await, Some(1.0));
-    assert_eq!(gw.metric("rolter_request_errors_total{kind=\"not_found\"}").await, Some(1.0));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no-such-model"));
+    assert_eq!(
+        gw.metric("rolter_request_errors_total{kind=\"bad_request\"}")
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        gw.metric("rolter_request_errors_total{kind=\"not_found\"}")
+            .await,
+        Some(1.0)
+    );
 
-    let models: serde_json::Value = reqwest::get(gw.url("/v1/models")).await.unwrap().json().await.unwrap();
+    let models: serde_json::Value = reqwest::get(gw.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["data"][0]["id"], "alias");
 }
 
@@ -212,10 +280,19 @@ async fn unreachable_upstream_gives_502_and_slow_upstream_gives_504() {
         delay: Duration::from_secs(10),
         ..Default::default()
     });
-    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "[limits]\nread_timeout_ms = 300\n")).await;
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nread_timeout_ms = 300\n",
+    ))
+    .await;
     let started = Instant::now();
     let (status, _, body) = post_chat(&gw, chat_body("alias", "hello?", false)).await;
     assert_eq!(status, 504, "{body}");
     assert!(started.elapsed() < Duration::from_secs(5));
-    assert_eq!(gw.metric("rolter_inflight_requests{target=\"p0/upstream-model-0\"}").await, Some(0.0));
+    assert_eq!(
+        gw.metric("rolter_inflight_requests{target=\"p0/upstream-model-0\"}")
+            .await,
+        Some(0.0)
+    );
 }

@@ -5,6 +5,9 @@
 //! all problems at once (unknown keys are collected with `serde_ignored` instead of
 //! failing on the first one, so an operator fixes a file in one pass).
 //!
+//! Egress rules (`[egress]`) are applied here to literal addresses and host names of
+//! every endpoint; the addresses names resolve to are checked by `runtime`.
+//!
 //! Must not: resolve DNS, open sockets or touch runtime state. Turning a `Config` into
 //! live routes (address resolution, peers, strategies) is `runtime`'s job.
 
@@ -12,6 +15,7 @@ mod schema;
 mod validate;
 
 pub use schema::*;
+pub use validate::endpoint_egress_problem;
 
 use std::path::Path;
 use thiserror::Error;

@@ -152,6 +152,7 @@ impl Gateway {
         let mut excluded = Vec::new();
         let mut last_error = None;
         for _ in 0..MAX_ATTEMPTS {
+            let now = Instant::now();
             let candidates: Vec<Candidate> = route
                 .targets
                 .iter()
@@ -159,6 +160,7 @@ impl Gateway {
                     inflight: t.state.inflight(),
                     eligible: t.state.eligible(),
                     weight: t.weight,
+                    lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
                 })
                 .collect();
             let view = FleetView {

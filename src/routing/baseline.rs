@@ -23,14 +23,11 @@ impl Strategy for RoundRobin {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        fleet
-            .eligible()
-            .nth(turn % n)
-            .map(|target| Decision {
-                target,
-                reason: Reason::RoundRobin,
-                score: None,
-            })
+        fleet.eligible().nth(turn % n).map(|target| Decision {
+            target,
+            reason: Reason::RoundRobin,
+            score: None,
+        })
     }
 }
 
@@ -62,6 +59,7 @@ mod tests {
             inflight,
             eligible,
             weight: 1,
+            lmcache: None,
         }
     }
 

@@ -7,8 +7,10 @@
 //! request) is optional. Each strategy lives in its own file with its tests.
 
 mod baseline;
+mod lmcache;
 
 pub use baseline::{LeastLoad, RoundRobin};
+pub use lmcache::{LmcacheAware, LmcacheView};
 
 use crate::config::StrategyKind;
 
@@ -24,7 +26,7 @@ pub struct RouteInput<'a> {
 }
 
 /// A route target as the strategy sees it at decision time.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Candidate {
     /// Requests in flight on this target right now.
     pub inflight: u64,
@@ -32,6 +34,8 @@ pub struct Candidate {
     pub eligible: bool,
     /// Configured weight (≥ 1).
     pub weight: u32,
+    /// Fresh LMCache controller status; `None` when neutral (none, failed or stale).
+    pub lmcache: Option<LmcacheView>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
@@ -83,6 +87,12 @@ pub enum Reason {
     RoundRobin,
     /// Fewest requests in flight.
     LeastLoad,
+    /// Most free cache capacity for its load (lmcache_aware).
+    CacheCapacity,
+    /// The preferred target was overloaded; least-loaded instead.
+    Overloaded,
+    /// No usable cache signal; least-loaded instead.
+    Fallback,
 }
 
 impl Reason {
@@ -91,6 +101,9 @@ impl Reason {
         match self {
             Reason::RoundRobin => "round_robin",
             Reason::LeastLoad => "least_load",
+            Reason::CacheCapacity => "cache_capacity",
+            Reason::Overloaded => "overloaded",
+            Reason::Fallback => "fallback",
         }
     }
 }
@@ -123,6 +136,7 @@ pub fn build(kind: StrategyKind) -> Box<dyn Strategy> {
     match kind {
         StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
         StrategyKind::LeastLoad => Box::new(LeastLoad),
+        StrategyKind::LmcacheAware => Box::new(LmcacheAware),
     }
 }
 

@@ -61,7 +61,9 @@ pub fn rolter_bin() -> &'static str {
 pub fn routes_toml(urls: &[String], strategy: &str, extra: &str) -> String {
     let mut s = String::new();
     for (i, u) in urls.iter().enumerate() {
-        s += &format!("[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n");
+        s += &format!(
+            "[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n"
+        );
     }
     s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
     for i in 0..urls.len() {
@@ -135,7 +137,12 @@ impl Gateway {
 
     /// The value of a metric line `name{labels}` (labels must match exactly), or None.
     pub async fn metric(&self, series: &str) -> Option<f64> {
-        let text = reqwest::get(self.url("/metrics")).await.ok()?.text().await.ok()?;
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
         text.lines()
             .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
             .and_then(|l| l.rsplit(' ').next())
@@ -177,7 +184,11 @@ pub async fn post_chat(gw: &Gateway, body: String) -> (u16, Option<String>, Stri
 }
 
 /// Same as [`post_chat`] with extra headers.
-pub async fn post_chat_with(gw: &Gateway, body: String, headers: &[(&str, &str)]) -> (u16, Option<String>, String) {
+pub async fn post_chat_with(
+    gw: &Gateway,
+    body: String,
+    headers: &[(&str, &str)],
+) -> (u16, Option<String>, String) {
     let client = reqwest::Client::new();
     let mut req = client
         .post(gw.url("/v1/chat/completions"))
