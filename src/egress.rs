@@ -640,6 +640,39 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Deny wins: whatever the allow list says, an address is refused exactly when a
+        /// deny CIDR contains it (v4, v6 and IPv4-mapped v6 alike).
+        #[test]
+        fn deny_wins_for_any_address(
+            net in proptest::prelude::any::<[u8; 4]>(),
+            len in 0u8..=32,
+            x in proptest::prelude::any::<[u8; 4]>(),
+            net6 in proptest::prelude::any::<[u16; 8]>(),
+            len6 in 0u8..=128,
+            x6 in proptest::prelude::any::<[u16; 8]>(),
+        ) {
+            let (v4, x4) = (std::net::Ipv4Addr::from(net), std::net::Ipv4Addr::from(x));
+            let (v6, x6) = (std::net::Ipv6Addr::from(net6), std::net::Ipv6Addr::from(x6));
+            let p = EgressPolicy::from_config(&EgressConfig {
+                allow: vec!["0.0.0.0/0".into(), "::/0".into(), x4.to_string(), x6.to_string()],
+                deny: vec![format!("{v4}/{len}"), format!("{v6}/{len6}")],
+                deny_defaults: false,
+            })
+            .unwrap();
+            let net4 = IpNet::new(IpAddr::V4(v4), len).unwrap();
+            let net6 = IpNet::new(IpAddr::V6(v6), len6).unwrap();
+            let denied = |ip: IpAddr| net4.contains(&ip) || net6.contains(&ip);
+            let mapped = IpAddr::V6(x4.to_ipv6_mapped());
+            for ip in [IpAddr::V4(x4), mapped, IpAddr::V6(x6)] {
+                // An address is checked as itself and as the IPv4 address it maps to.
+                let expect = denied(ip) || denied(ip.to_canonical());
+                proptest::prop_assert_eq!(p.check_addr(ip).is_err(), expect, "{}", ip);
+                proptest::prop_assert_eq!(p.check_resolved("h", &[ip]).is_err(), expect);
+            }
+        }
+    }
+
     #[test]
     fn url_host_port_handles_schemes_and_brackets() {
         assert_eq!(

@@ -128,7 +128,7 @@ impl RouteTable {
         ctx: &LoadContext,
     ) -> Result<Self, LoadError> {
         let limits = config.limits.clone();
-        // The config was validated, bad entries included; compile() cannot add news.
+        // The config was validated: every `[egress]` entry compiles.
         let egress = Arc::new(EgressPolicy::compile(&config.egress).0);
         let mut providers = HashMap::new();
         let mut lmcache = HashMap::new();

@@ -66,8 +66,10 @@ pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     };
     let mut unknown = Vec::new();
     let de = toml::Deserializer::new(text);
-    let config: Config = serde_ignored::deserialize(de, |key| unknown.push(key.to_string()))
-        .map_err(|e: toml::de::Error| invalid(vec![one_line(text, &e)]))?;
+    // serde_ignored writes an `Option`'s `Some` as a `?` segment: drop it from the path.
+    let config: Config =
+        serde_ignored::deserialize(de, |key| unknown.push(key.to_string().replace(".?", "")))
+            .map_err(|e: toml::de::Error| invalid(vec![one_line(text, &e)]))?;
     let mut problems: Vec<String> = unknown
         .into_iter()
         .map(|key| format!("{key}: unknown key"))
