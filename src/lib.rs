@@ -8,8 +8,10 @@
 
 pub mod config;
 pub mod demo;
+pub mod egress;
 pub mod fleet;
 pub mod kv_events;
+pub mod lmcache_poll;
 pub mod metrics;
 pub mod prefix;
 pub mod prompt;

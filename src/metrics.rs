@@ -42,6 +42,8 @@ pub struct Metrics {
     pub trie_evictions: IntGaugeVec,
     /// Sessions in a route's affinity table (refreshed at scrape time).
     pub sessions: IntGaugeVec,
+    /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
+    pub lmcache_polls: IntCounterVec,
 }
 
 /// The process-wide metrics.
@@ -139,6 +141,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["route"]
     )
     .expect("register rolter_sessions"),
+    lmcache_polls: register_int_counter_vec!(
+        "rolter_lmcache_polls_total",
+        "LMCache status polls by provider and result (ok, error, invalid, timeout, denied)",
+        &["provider", "result"]
+    )
+    .expect("register rolter_lmcache_polls_total"),
 });
 
 /// Render every registered metric in the Prometheus text format.

@@ -2,11 +2,16 @@
 //! [`Registry`] whose per-target state survives reloads, and the SIGHUP reload service.
 //!
 //! Owns: turning a validated `Config` into a `RouteTable` (DNS resolution of upstreams
-//! happens here, at load time, never per request), and swapping tables atomically.
+//! happens here, at load time, never per request, and every resolved address passes the
+//! egress policy), and swapping tables atomically.
 //! Must not: parse TOML (that is `config`) or decide routes (that is `routing`).
 
-use crate::config::{self, BreakerConfig, Config, ConfigError, HealthConfig, LimitsConfig};
+use crate::config::{
+    self, BreakerConfig, Config, ConfigError, HealthConfig, LimitsConfig, LmcacheConfig,
+};
+use crate::egress::{self, EgressError, EgressPolicy, OutboundError, Resolver, SystemResolver};
 use crate::fleet::{ProviderHealth, Registry, TargetKey, TargetState};
+use crate::lmcache_poll::{LmcacheBoard, LmcacheEndpoint, LmcacheStatus};
 use crate::metrics::METRICS;
 use crate::routing::{self, Strategy};
 use arc_swap::ArcSwap;
@@ -16,7 +21,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::{HashMap, HashSet};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +39,14 @@ pub enum LoadError {
         authority: String,
         reason: String,
     },
+    #[error("{path}: providers[{index}].{key}: provider \"{provider}\": {error}")]
+    Egress {
+        path: String,
+        index: usize,
+        provider: String,
+        key: &'static str,
+        error: EgressError,
+    },
 }
 
 /// One target of a route, ready to forward to.
@@ -50,6 +63,8 @@ pub struct RouteTarget {
     pub upstream_model: String,
     /// Configured weight.
     pub weight: u32,
+    /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
+    pub lmcache: Option<Arc<LmcacheStatus>>,
 }
 
 /// A model alias with its strategy and targets.
@@ -99,6 +114,27 @@ pub struct RouteTable {
     /// Passive-health settings.
     pub breaker: BreakerConfig,
     models_json: Bytes,
+    egress: Arc<EgressPolicy>,
+    lmcache: Vec<Arc<LmcacheEndpoint>>,
+}
+
+/// What building a table needs besides the config: the name resolver and the state
+/// that outlives one table generation (besides the target [`Registry`]).
+pub struct LoadContext {
+    /// Resolves every configured host name (injectable for tests).
+    pub resolver: Arc<dyn Resolver>,
+    /// LMCache status cells, kept across reloads.
+    pub lmcache: LmcacheBoard,
+}
+
+impl Default for LoadContext {
+    /// The system resolver and no status yet.
+    fn default() -> Self {
+        LoadContext {
+            resolver: Arc::new(SystemResolver),
+            lmcache: LmcacheBoard::default(),
+        }
+    }
 }
 
 impl RouteTable {
@@ -114,11 +150,24 @@ impl RouteTable {
 
     /// Build live routes from a validated config, resolving every provider address.
     pub fn build(config: &Config, origin: &str, registry: &Registry) -> Result<Self, LoadError> {
+        Self::build_with(config, origin, registry, &LoadContext::default())
+    }
+
+    /// [`build`](Self::build) with a given resolver and LMCache status board.
+    pub fn build_with(
+        config: &Config,
+        origin: &str,
+        registry: &Registry,
+        ctx: &LoadContext,
+    ) -> Result<Self, LoadError> {
         let limits = config.limits.clone();
+        // The config was validated: every `[egress]` entry compiles.
+        let egress = Arc::new(EgressPolicy::compile(&config.egress).0);
         let mut providers = HashMap::new();
         let mut entries = Vec::new();
+        let mut lmcache = HashMap::new();
         for (index, p) in config.providers.iter().enumerate() {
-            let resolved = resolve_provider(&p.api_base, origin, index)?;
+            let resolved = resolve_provider(&p.api_base, origin, index, &p.name, ctx, &egress)?;
             entries.push(ProviderEntry {
                 name: p.name.clone(),
                 addr: resolved.addr,
@@ -127,6 +176,10 @@ impl RouteTable {
                 state: registry.provider_health(&p.name),
             });
             providers.insert(p.name.as_str(), resolved);
+            if let Some(l) = &p.lmcache {
+                let ep = lmcache_endpoint(&p.name, l, origin, index, ctx, &egress)?;
+                lmcache.insert(p.name.as_str(), Arc::new(ep));
+            }
         }
         let mut routes = HashMap::new();
         for r in &config.routes {
@@ -156,6 +209,7 @@ impl RouteTable {
                         base_path: up.base_path.clone(),
                         upstream_model: t.model.clone(),
                         weight: t.weight,
+                        lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
                     }
                 })
                 .collect();
@@ -178,13 +232,27 @@ impl RouteTable {
             .collect();
         let models_json =
             Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
+        let mut lmcache: Vec<Arc<LmcacheEndpoint>> = lmcache.into_values().collect();
+        lmcache.sort_by(|a, b| a.provider.cmp(&b.provider));
         Ok(RouteTable {
             routes,
             providers: entries,
             limits,
             breaker: config.breaker.clone(),
             models_json,
+            egress,
+            lmcache,
         })
+    }
+
+    /// The egress policy of this generation.
+    pub fn egress(&self) -> &Arc<EgressPolicy> {
+        &self.egress
+    }
+
+    /// Every `[providers.lmcache]` endpoint of this generation, by provider name.
+    pub fn lmcache_endpoints(&self) -> &[Arc<LmcacheEndpoint>] {
+        &self.lmcache
     }
 
     /// Whether any route has a target that may be chosen now (readiness).
@@ -215,6 +283,9 @@ fn resolve_provider(
     api_base: &str,
     origin: &str,
     index: usize,
+    provider: &str,
+    ctx: &LoadContext,
+    policy: &EgressPolicy,
 ) -> Result<ResolvedProvider, LoadError> {
     // Shape was validated by `config`; only resolution can fail here.
     let uri: http::Uri = api_base.parse().expect("validated api_base");
@@ -230,11 +301,20 @@ fn resolve_provider(
         authority: authority.to_string(),
         reason,
     };
-    let addr = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| err(e.to_string()))?
-        .next()
-        .ok_or_else(|| err("no addresses".into()))?;
+    let addrs = match egress::resolve_checked(ctx.resolver.as_ref(), policy, host, port) {
+        Ok(addrs) => addrs,
+        Err(OutboundError::Resolve { reason, .. }) => return Err(err(reason)),
+        Err(OutboundError::Egress(error)) => {
+            return Err(LoadError::Egress {
+                path: origin.to_string(),
+                index,
+                provider: provider.to_string(),
+                key: "api_base",
+                error,
+            })
+        }
+    };
+    let addr = SocketAddr::new(addrs[0], port);
     Ok(ResolvedProvider {
         addr,
         host: authority.to_string(),
@@ -246,6 +326,41 @@ struct PeerTimeouts {
     connect_ms: u64,
     read_ms: u64,
     idle_ms: u64,
+}
+
+/// Bind `[providers.lmcache]` to its status cell after checking the endpoint's current
+/// addresses. A denied address fails the load; a name that does not resolve yet does
+/// not (the poller re-resolves on every poll; until then the controller is neutral).
+fn lmcache_endpoint(
+    provider: &str,
+    l: &LmcacheConfig,
+    origin: &str,
+    index: usize,
+    ctx: &LoadContext,
+    policy: &EgressPolicy,
+) -> Result<LmcacheEndpoint, LoadError> {
+    let (host, port) = egress::url_host_port(&l.endpoint, 80).expect("validated lmcache.endpoint");
+    match egress::resolve_checked(ctx.resolver.as_ref(), policy, &host, port) {
+        Ok(_) => {}
+        Err(OutboundError::Egress(error)) => {
+            return Err(LoadError::Egress {
+                path: origin.to_string(),
+                index,
+                provider: provider.to_string(),
+                key: "lmcache.endpoint",
+                error,
+            })
+        }
+        Err(e) => log::warn!(
+            "{origin}: providers[{index}].lmcache.endpoint: {e}; the controller stays neutral until it resolves"
+        ),
+    }
+    let status = ctx.lmcache.get_or_create(
+        provider,
+        &l.endpoint,
+        Duration::from_millis(l.stale_after_ms),
+    );
+    Ok(LmcacheEndpoint::new(provider, l, status).expect("validated lmcache.endpoint"))
 }
 
 fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
@@ -262,23 +377,39 @@ pub struct Runtime {
     table: ArcSwap<RouteTable>,
     registry: Registry,
     routes_path: PathBuf,
+    ctx: LoadContext,
 }
 
 impl Runtime {
     /// Load the routing file at `path` and build the first table.
     pub fn load(path: &Path) -> Result<Self, LoadError> {
+        Self::load_with(path, LoadContext::default())
+    }
+
+    /// [`load`](Self::load) with a given resolver (tests) and status board.
+    pub fn load_with(path: &Path, ctx: LoadContext) -> Result<Self, LoadError> {
         let registry = Registry::default();
-        let table = Self::read_table(path, &registry)?;
+        let table = Self::read_table(path, &registry, &ctx)?;
         Ok(Runtime {
             table: ArcSwap::from_pointee(table),
             registry,
             routes_path: path.to_path_buf(),
+            ctx,
         })
     }
 
-    fn read_table(path: &Path, registry: &Registry) -> Result<RouteTable, LoadError> {
+    fn read_table(
+        path: &Path,
+        registry: &Registry,
+        ctx: &LoadContext,
+    ) -> Result<RouteTable, LoadError> {
         let config = config::load_file(path)?;
-        RouteTable::build(&config, &path.display().to_string(), registry)
+        RouteTable::build_with(&config, &path.display().to_string(), registry, ctx)
+    }
+
+    /// The resolver every configured name goes through.
+    pub fn resolver(&self) -> Arc<dyn Resolver> {
+        self.ctx.resolver.clone()
     }
 
     /// The current table (one atomic load; hold it for the whole request).
@@ -293,13 +424,15 @@ impl Runtime {
 
     /// Re-read the routing file; swap it in if valid, keep the old table if not.
     pub fn reload(&self) -> Result<(), LoadError> {
-        match Self::read_table(&self.routes_path, &self.registry) {
+        match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
             Ok(table) => {
                 let keep = table.target_keys();
                 let aliases = table.routes.keys().cloned().collect();
+                let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
                 self.table.store(Arc::new(table));
                 self.registry.retain(&keep);
                 self.registry.retain_sessions(&aliases);
+                self.ctx.lmcache.retain(&keep_lmcache);
                 METRICS.reloads.with_label_values(&["ok"]).inc();
                 log::info!("reloaded routes from {}", self.routes_path.display());
                 Ok(())

@@ -5,6 +5,7 @@
 //! Must not: hold request-path logic.
 
 use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
+use crate::lmcache_poll::LmcachePollService;
 use crate::proxy::Gateway;
 use crate::runtime::{ReloadOnSighup, Runtime};
 use clap::Parser;
@@ -60,6 +61,10 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     server.add_service(background_service(
         "health-checks",
         crate::fleet::probe::HealthProber(runtime.clone()),
+    ));
+    server.add_service(background_service(
+        "lmcache-poll",
+        LmcachePollService(runtime.clone()),
     ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);

@@ -5,6 +5,9 @@
 //! all problems at once (unknown keys are collected with `serde_ignored` instead of
 //! failing on the first one, so an operator fixes a file in one pass).
 //!
+//! Egress rules (`[egress]`) are applied here to literal addresses and host names of
+//! every endpoint; the addresses names resolve to are checked by `runtime`.
+//!
 //! Must not: resolve DNS, open sockets or touch runtime state. Turning a `Config` into
 //! live routes (address resolution, peers, strategies) is `runtime`'s job.
 
@@ -12,6 +15,7 @@ mod schema;
 mod validate;
 
 pub use schema::*;
+pub use validate::endpoint_egress_problem;
 
 use std::path::Path;
 use thiserror::Error;
@@ -62,8 +66,10 @@ pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     };
     let mut unknown = Vec::new();
     let de = toml::Deserializer::new(text);
-    let config: Config = serde_ignored::deserialize(de, |key| unknown.push(key.to_string()))
-        .map_err(|e: toml::de::Error| invalid(vec![one_line(text, &e)]))?;
+    // serde_ignored writes an `Option`'s `Some` as a `?` segment: drop it from the path.
+    let config: Config =
+        serde_ignored::deserialize(de, |key| unknown.push(key.to_string().replace(".?", "")))
+            .map_err(|e: toml::de::Error| invalid(vec![one_line(text, &e)]))?;
     let mut problems: Vec<String> = unknown
         .into_iter()
         .map(|key| format!("{key}: unknown key"))

@@ -14,6 +14,14 @@ pub const DEFAULT_CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
 /// Default idle time of a pooled upstream connection. vLLM's uvicorn closes idle
 /// keep-alive connections after 5 s (`--timeout-keep-alive` default), so stay below it.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
+/// Default time between two polls of an LMCache status endpoint.
+pub const DEFAULT_LMCACHE_INTERVAL_MS: u64 = 1_000;
+/// Default limit on one status poll (resolution, connect, request and body); a slower
+/// controller is neutral. Half the interval, so a slow poll never delays the next one.
+pub const DEFAULT_LMCACHE_TIMEOUT_MS: u64 = 500;
+/// Default age after which a status result is ignored (neutral): three intervals, so a
+/// single late or lost poll does not flap the controller to neutral.
+pub const DEFAULT_LMCACHE_STALE_AFTER_MS: u64 = 3_000;
 
 /// A whole routing file.
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -30,6 +38,9 @@ pub struct Config {
     /// Passive health: cooldown and circuit breaking on failed requests.
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// Which hosts and addresses the gateway may contact on its own (see `egress`).
+    #[serde(default)]
+    pub egress: EgressConfig,
 }
 
 /// The kind of upstream API a provider speaks.
@@ -52,6 +63,61 @@ pub struct ProviderConfig {
     /// Active health checks (on by default).
     #[serde(default)]
     pub health: HealthConfig,
+    /// Optional LMCache status endpoint polled by `lmcache_aware` routes.
+    #[serde(default)]
+    pub lmcache: Option<LmcacheConfig>,
+}
+
+/// `[providers.lmcache]`: where and how often to poll a replica's cache status.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LmcacheConfig {
+    /// `http://host:port/path` answering `{"occupancy": 0..1, "cache_available": bool}`.
+    pub endpoint: String,
+    /// Time between two polls.
+    #[serde(default = "default_lmcache_interval_ms")]
+    pub interval_ms: u64,
+    /// Limit on one poll; a slower answer makes the controller neutral.
+    #[serde(default = "default_lmcache_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Age after which the last good result no longer counts (neutral).
+    #[serde(default = "default_lmcache_stale_after_ms")]
+    pub stale_after_ms: u64,
+}
+
+fn default_lmcache_interval_ms() -> u64 {
+    DEFAULT_LMCACHE_INTERVAL_MS
+}
+
+fn default_lmcache_timeout_ms() -> u64 {
+    DEFAULT_LMCACHE_TIMEOUT_MS
+}
+
+fn default_lmcache_stale_after_ms() -> u64 {
+    DEFAULT_LMCACHE_STALE_AFTER_MS
+}
+
+/// `[egress]`: allow and deny lists for every address the gateway contacts on its own.
+/// Entries are host names (`vllm-1`), host suffixes (`.internal`) or CIDRs / addresses
+/// (`10.0.0.0/8`, `fd00::/8`, `192.0.2.7`). Deny wins over allow.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct EgressConfig {
+    /// If non-empty, only these destinations are allowed.
+    pub allow: Vec<String>,
+    /// Never contacted, whatever `allow` says.
+    pub deny: Vec<String>,
+    /// Also deny the built-in list (link-local, cloud metadata services).
+    pub deny_defaults: bool,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        EgressConfig {
+            allow: Vec::new(),
+            deny: Vec::new(),
+            deny_defaults: true,
+        }
+    }
 }
 
 /// Default path probed by active health checks (vLLM serves `GET /health`).
@@ -128,6 +194,8 @@ pub enum StrategyKind {
     Pipeline,
     /// Longest cached prefix (per-target prompt tries), with an overload guard.
     CacheAware,
+    /// Prefer free LMCache capacity (`[providers.lmcache]`), balanced by load.
+    LmcacheAware,
 }
 
 impl StrategyKind {
@@ -138,6 +206,7 @@ impl StrategyKind {
             StrategyKind::LeastLoad => "least_load",
             StrategyKind::CacheAware => "cache_aware",
             StrategyKind::Pipeline => "pipeline",
+            StrategyKind::LmcacheAware => "lmcache_aware",
         }
     }
 }

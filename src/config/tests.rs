@@ -109,3 +109,151 @@ fn api_base_shapes() {
     assert!(validate::check_api_base("http://u:p@h:1").is_err());
     assert!(validate::check_api_base("not a url").is_err());
 }
+
+/// GOOD with `[providers.lmcache]` under provider "b" (the second provider).
+fn with_lmcache(section: &str) -> String {
+    GOOD.replace(
+        "api_base = \"http://localhost:8002/prefix\"\n",
+        &format!("api_base = \"http://localhost:8002/prefix\"\n[providers.lmcache]\n{section}\n"),
+    )
+}
+
+#[test]
+fn lmcache_section_and_strategy_parse_with_defaults() {
+    let text = with_lmcache("endpoint = \"http://vllm-2:9000/cache/status\"")
+        .replace("round_robin", "lmcache_aware");
+    let c = parse(&text, "l.toml").expect("valid");
+    assert_eq!(c.routes[0].strategy, StrategyKind::LmcacheAware);
+    assert_eq!(c.routes[0].strategy.as_str(), "lmcache_aware");
+    assert!(c.providers[0].lmcache.is_none());
+    let l = c.providers[1].lmcache.as_ref().unwrap();
+    assert_eq!(l.endpoint, "http://vllm-2:9000/cache/status");
+    assert_eq!(l.interval_ms, DEFAULT_LMCACHE_INTERVAL_MS);
+    assert_eq!(l.timeout_ms, DEFAULT_LMCACHE_TIMEOUT_MS);
+    assert_eq!(l.stale_after_ms, DEFAULT_LMCACHE_STALE_AFTER_MS);
+    assert!(c.egress.allow.is_empty() && c.egress.deny.is_empty());
+    assert!(c.egress.deny_defaults);
+}
+
+#[test]
+fn denied_lmcache_endpoints_fail_naming_provider_key_and_rule() {
+    for (endpoint, rule) in [
+        (
+            "http://169.254.169.254/latest",
+            "deny \"169.254.0.0/16\" (built-in",
+        ),
+        (
+            "http://metadata.google.internal/status",
+            "deny \"metadata.google.internal\" (built-in: GCP metadata service)",
+        ),
+        (
+            "http://[fd00:ec2::254]:80/",
+            "deny \"fd00:ec2::254/128\" (built-in",
+        ),
+        (
+            "http://100.100.100.200/",
+            "deny \"100.100.100.200/32\" (built-in",
+        ),
+    ] {
+        let text = with_lmcache(&format!("endpoint = \"{endpoint}\""));
+        let problems = parse(&text, "e.toml").unwrap_err().problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let p = &problems[0];
+        assert!(
+            p.starts_with("providers[1].lmcache.endpoint: provider \"b\": "),
+            "{p}"
+        );
+        assert!(
+            p.contains("is denied by egress rule") && p.contains(rule),
+            "{p}"
+        );
+    }
+    // A rule of the operator's own, with its key.
+    let text = format!(
+        "{}\n[egress]\ndeny = [\"10.0.0.0/8\", \".internal\"]\n",
+        with_lmcache("endpoint = \"http://status.internal:9000/s\"")
+    );
+    let err = parse(&text, "o.toml").unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "o.toml: providers[1].lmcache.endpoint: provider \"b\": host \"status.internal\" is denied \
+         by egress rule deny \".internal\" (egress.deny[1])"
+    );
+}
+
+#[test]
+fn egress_applies_to_api_base_and_allow_lists() {
+    let text = format!("{GOOD}\n[egress]\nallow = [\"10.0.0.0/8\"]\n");
+    let problems = parse(&text, "a.toml").unwrap_err().problems();
+    // 127.0.0.1 is a literal: refused now; "localhost" may still resolve into 10/8.
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(
+        problems[0],
+        "providers[0].api_base: provider \"a\": address 127.0.0.1 matches no egress allow rule (egress.allow)"
+    );
+    let text = format!("{GOOD}\n[egress]\nallow = [\"127.0.0.0/8\", \"localhost\"]\n");
+    assert!(parse(&text, "a.toml").is_ok());
+    let text = GOOD.replace("127.0.0.1:8001", "169.254.1.1:8001");
+    let problems = parse(&text, "a.toml").unwrap_err().problems();
+    assert!(
+        problems[0]
+            .starts_with("providers[0].api_base: provider \"a\": address 169.254.1.1 is denied"),
+        "{problems:?}"
+    );
+    // Built-in rules can be switched off as a whole.
+    let text = format!("{text}\n[egress]\ndeny_defaults = false\n");
+    assert!(parse(&text, "a.toml").is_ok());
+}
+
+#[test]
+fn bad_egress_entries_and_lmcache_values_are_each_reported() {
+    let text = format!(
+        "{}\n[egress]\nallow = [\"10.0.0.0/40\"]\ndeny = [\"*.corp\"]\nmode = \"strict\"\n",
+        with_lmcache(
+            "endpoint = \"https://vllm-2:9000/s\"\ninterval_ms = 0\ntimeout_ms = 500\nstale_after_ms = 400"
+        )
+    );
+    let problems = parse(&text, "b.toml").unwrap_err().problems();
+    let expect = [
+        "egress.mode: unknown key",
+        "providers[1].lmcache.endpoint: bad URL \"https://vllm-2:9000/s\": unsupported scheme \"https\"",
+        "providers[1].lmcache.interval_ms: must be greater than 0",
+        "providers[1].lmcache.stale_after_ms: must be at least interval_ms + timeout_ms (500)",
+        "egress.allow[0]: \"10.0.0.0/40\": not a valid CIDR",
+        "egress.deny[0]: \"*.corp\": write \".corp\"",
+    ];
+    assert_eq!(problems.len(), expect.len(), "{problems:#?}");
+    for (p, e) in problems.iter().zip(expect) {
+        assert!(p.starts_with(e), "{p} should start with {e}");
+    }
+    let text = with_lmcache("endpoint = \"http://h/s\"\ncolour = 1");
+    let problems = parse(&text, "c.toml").unwrap_err().problems();
+    assert_eq!(problems, vec!["providers.1.lmcache.colour: unknown key"]);
+}
+
+#[test]
+fn endpoint_egress_problem_is_reusable_for_any_scheme() {
+    let policy = crate::egress::EgressPolicy::default();
+    assert_eq!(
+        endpoint_egress_problem(
+            &policy,
+            3,
+            "vllm-4",
+            "kv_events.endpoint",
+            "tcp://vllm-4:5557"
+        ),
+        None
+    );
+    let p = endpoint_egress_problem(
+        &policy,
+        3,
+        "vllm-4",
+        "kv_events.endpoint",
+        "tcp://169.254.169.254:5557",
+    )
+    .unwrap();
+    assert!(
+        p.starts_with("providers[3].kv_events.endpoint: provider \"vllm-4\": address 169.254.169.254 is denied by egress rule deny \"169.254.0.0/16\""),
+        "{p}"
+    );
+}

@@ -1,12 +1,15 @@
 //! Semantic checks the type system cannot express: references between sections,
 //! uniqueness, URL shape, value ranges. Each problem is one line naming its key.
 
-use super::Config;
+use super::{Config, LmcacheConfig};
+use crate::egress::{self, EgressPolicy};
 use std::collections::HashSet;
 
 /// Every semantic problem in `config`, in file order.
 pub(super) fn problems(config: &Config) -> Vec<String> {
     let mut out = Vec::new();
+    // Bad `[egress]` entries are reported; the good ones still check the endpoints.
+    let (policy, egress_problems) = EgressPolicy::compile(&config.egress);
     let mut names = HashSet::new();
     for (i, p) in config.providers.iter().enumerate() {
         if p.name.is_empty() {
@@ -38,6 +41,17 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "providers[{i}].api_base: bad URL \"{}\": {why}",
                 p.api_base
             ));
+        } else {
+            out.extend(endpoint_egress_problem(
+                &policy,
+                i,
+                &p.name,
+                "api_base",
+                &p.api_base,
+            ));
+        }
+        if let Some(lmcache) = &p.lmcache {
+            out.extend(lmcache_problems(&policy, i, &p.name, lmcache));
         }
     }
     let mut aliases = HashSet::new();
@@ -137,7 +151,89 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             out.push(format!("{key}: must be greater than 0"));
         }
     }
+    out.extend(egress_problems);
     out
+}
+
+/// The egress problem of an endpoint a provider names, as one config problem line:
+/// `providers[i].<key>: provider "<name>": <host or address> is denied by egress rule ...`.
+/// Literal addresses and host names are checked here, before any DNS; the addresses a
+/// name resolves to are checked when routes are built (`runtime`) and on every
+/// reconnect or poll. `url` is any `scheme://host[:port]/...` (http, tcp, ...); a URL
+/// without a host yields nothing here (its shape is the caller's check).
+pub fn endpoint_egress_problem(
+    policy: &EgressPolicy,
+    index: usize,
+    provider: &str,
+    key: &str,
+    url: &str,
+) -> Option<String> {
+    let (host, _) = egress::url_host_port(url, 0)?;
+    let err = policy.check_host(&host).err()?;
+    Some(format!(
+        "providers[{index}].{key}: provider \"{provider}\": {err}"
+    ))
+}
+
+/// Shape, timing and egress problems of one `[providers.lmcache]`.
+fn lmcache_problems(
+    policy: &EgressPolicy,
+    i: usize,
+    provider: &str,
+    l: &LmcacheConfig,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    match check_status_url(&l.endpoint) {
+        Err(why) => out.push(format!(
+            "providers[{i}].lmcache.endpoint: bad URL \"{}\": {why}",
+            l.endpoint
+        )),
+        Ok(()) => out.extend(endpoint_egress_problem(
+            policy,
+            i,
+            provider,
+            "lmcache.endpoint",
+            &l.endpoint,
+        )),
+    }
+    for (key, value) in [
+        ("interval_ms", l.interval_ms),
+        ("timeout_ms", l.timeout_ms),
+        ("stale_after_ms", l.stale_after_ms),
+    ] {
+        if value == 0 {
+            out.push(format!(
+                "providers[{i}].lmcache.{key}: must be greater than 0"
+            ));
+        }
+    }
+    // A good result must outlive the wait for the next one, or every controller
+    // flaps to neutral between polls.
+    if l.stale_after_ms < l.interval_ms.saturating_add(l.timeout_ms) {
+        out.push(format!(
+            "providers[{i}].lmcache.stale_after_ms: must be at least interval_ms + timeout_ms ({})",
+            l.interval_ms.saturating_add(l.timeout_ms)
+        ));
+    }
+    out
+}
+
+/// A status endpoint URL: `http://host:port/path[?query]`.
+pub fn check_status_url(url: &str) -> Result<(), String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("{e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(other) => return Err(format!("unsupported scheme \"{other}\" (plain http only)")),
+        None => return Err("missing scheme, expected http://host:port/path".into()),
+    }
+    let authority = uri.authority().ok_or("missing host")?;
+    if authority.host().is_empty() {
+        return Err("missing host".into());
+    }
+    if authority.as_str().contains('@') {
+        return Err("credentials in the URL are not supported".into());
+    }
+    Ok(())
 }
 
 /// An upstream base URL: `http://host:port[/prefix]`, nothing else.

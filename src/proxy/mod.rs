@@ -157,6 +157,7 @@ impl Gateway {
         // Each pass either makes an attempt or excludes a target, so this terminates.
         while ctx.attempts < MAX_ATTEMPTS && excluded.len() < route.targets.len() {
             let now = now_ms();
+            let now_instant = Instant::now();
             let candidates: Vec<Candidate> = route
                 .targets
                 .iter()
@@ -167,6 +168,7 @@ impl Gateway {
                     prefix: Some(&t.state.trie),
                     label: t.state.label(),
                     kv: None,
+                    lmcache: t.lmcache.as_ref().and_then(|s| s.view(now_instant)),
                 })
                 .collect();
             let view = FleetView {

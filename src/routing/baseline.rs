@@ -62,6 +62,7 @@ mod tests {
             prefix: None,
             label: "",
             kv: None,
+            lmcache: None,
         }
     }
 

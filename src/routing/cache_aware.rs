@@ -148,6 +148,7 @@ mod tests {
                 prefix: Some(t),
                 label: "",
                 kv: None,
+                lmcache: None,
             })
             .collect()
     }

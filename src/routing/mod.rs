@@ -8,12 +8,14 @@
 
 mod baseline;
 pub mod cache_aware;
+pub mod lmcache;
 pub mod pipeline;
 pub mod precise;
 pub mod session;
 
 pub use baseline::{LeastLoad, RoundRobin};
 pub use cache_aware::CacheAware;
+pub use lmcache::{LmcacheAware, LmcacheView};
 pub use pipeline::{Pipeline, PipelineWeights};
 pub use precise::{KvView, PreciseCacheAware};
 pub use session::SessionTable;
@@ -36,7 +38,7 @@ pub struct RouteInput<'a> {
 }
 
 /// A route target as the strategy sees it at decision time.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct Candidate<'a> {
     /// Requests in flight on this target right now.
     pub inflight: u64,
@@ -50,6 +52,8 @@ pub struct Candidate<'a> {
     pub label: &'a str,
     /// Blocks the replica reported resident via KV events (precise_cache_aware).
     pub kv: Option<KvView<'a>>,
+    /// Fresh LMCache controller status; `None` when neutral (none, failed or stale).
+    pub lmcache: Option<LmcacheView>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
@@ -113,6 +117,8 @@ pub enum Reason {
     Affinity,
     /// Highest pipeline score.
     Scored,
+    /// Most free cache capacity for its load (lmcache_aware).
+    CacheCapacity,
 }
 
 impl Reason {
@@ -127,6 +133,7 @@ impl Reason {
             Reason::Fallback => "fallback",
             Reason::Affinity => "affinity",
             Reason::Scored => "scored",
+            Reason::CacheCapacity => "cache_capacity",
         }
     }
 }
@@ -170,6 +177,7 @@ pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strate
             };
             Box::new(Pipeline::new(weights, sessions))
         }
+        StrategyKind::LmcacheAware => Box::new(LmcacheAware),
     }
 }
 

@@ -154,6 +154,7 @@ mod tests {
                 prefix: Some(&tries[i]),
                 label: LABELS[i],
                 kv: None,
+                lmcache: None,
             })
             .collect()
     }

@@ -158,6 +158,7 @@ mod tests {
                     index,
                     trusted: trusted[i],
                 }),
+                lmcache: None,
             })
             .collect()
     }

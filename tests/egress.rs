@@ -1,0 +1,125 @@
+//! The egress policy on resolved addresses when routes are built (in-process, with the
+//! injectable test resolver: no DNS, no sockets).
+
+use rolter::config;
+use rolter::egress::StaticResolver;
+use rolter::fleet::Registry;
+use rolter::runtime::{LoadContext, LoadError, RouteTable};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn routes(api_base: &str, lmcache: Option<&str>, egress: &str) -> String {
+    let lmcache = lmcache.map_or(String::new(), |e| {
+        format!("[providers.lmcache]\nendpoint = \"{e}\"\n")
+    });
+    format!(
+        "[[providers]]\nname = \"vllm-1\"\nkind = \"openai_compatible\"\napi_base = \"{api_base}\"\n{lmcache}\n\
+         [[routes]]\nmodel = \"m\"\nstrategy = \"lmcache_aware\"\n\
+         [[routes.targets]]\nprovider = \"vllm-1\"\nmodel = \"up\"\n{egress}"
+    )
+}
+
+fn build(text: &str, ctx: &LoadContext) -> Result<RouteTable, LoadError> {
+    let config = config::parse(text, "r.toml").expect("valid before resolution");
+    RouteTable::build_with(&config, "r.toml", &Registry::default(), ctx)
+}
+
+fn ctx(names: &[(&str, &[&str])]) -> LoadContext {
+    let resolver = StaticResolver::default();
+    for (name, addrs) in names {
+        resolver.set(name, &addrs.iter().map(|a| ip(a)).collect::<Vec<_>>());
+    }
+    LoadContext {
+        resolver: Arc::new(resolver),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_api_base_name_with_one_denied_address_fails_the_load() {
+    let ctx = ctx(&[("vllm.test", &["127.0.0.1", "169.254.169.254"])]);
+    let err = build(&routes("http://vllm.test:8000", None, ""), &ctx)
+        .err()
+        .expect("denied")
+        .to_string();
+    assert!(
+        err.starts_with(
+            "r.toml: providers[0].api_base: provider \"vllm-1\": address 169.254.169.254 of \"vllm.test\" \
+             is denied by egress rule deny \"169.254.0.0/16\" (built-in: IPv4 link-local"
+        ),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn an_lmcache_name_resolving_to_a_denied_address_fails_the_load() {
+    let ctx = ctx(&[
+        ("vllm.test", &["127.0.0.1"]),
+        ("status.test", &["fd00:ec2::254"]),
+    ]);
+    let text = routes(
+        "http://vllm.test:8000",
+        Some("http://status.test:9000/cache/status"),
+        "",
+    );
+    let err = build(&text, &ctx).err().expect("denied").to_string();
+    assert_eq!(
+        err,
+        "r.toml: providers[0].lmcache.endpoint: provider \"vllm-1\": address fd00:ec2::254 of \
+         \"status.test\" is denied by egress rule deny \"fd00:ec2::254/128\" (built-in: AWS instance metadata over IPv6)"
+    );
+}
+
+#[test]
+fn an_unresolvable_lmcache_name_is_not_fatal_and_binds_a_neutral_cell() {
+    let ctx = ctx(&[("vllm.test", &["127.0.0.1"])]);
+    let text = routes("http://vllm.test:8000", Some("http://nowhere.test/s"), "");
+    let table = build(&text, &ctx).expect("builds");
+    let eps = table.lmcache_endpoints();
+    assert_eq!(eps.len(), 1);
+    assert_eq!(
+        (eps[0].provider.as_str(), eps[0].host()),
+        ("vllm-1", "nowhere.test")
+    );
+    let target = &table.route("m").unwrap().targets[0];
+    let cell = target.lmcache.as_ref().expect("bound to the route target");
+    assert!(Arc::ptr_eq(cell, &eps[0].status));
+    assert_eq!(
+        cell.view(std::time::Instant::now()),
+        None,
+        "neutral until polled"
+    );
+    // A rebuild (reload) with the same context keeps the cell.
+    let again = build(&text, &ctx).unwrap();
+    assert!(Arc::ptr_eq(&again.lmcache_endpoints()[0].status, cell));
+}
+
+#[test]
+fn an_allow_list_is_applied_to_resolved_addresses() {
+    let egress = "[egress]\nallow = [\"10.0.0.0/8\"]\n";
+    let text = routes("http://vllm.test:8000", None, egress);
+    assert!(build(&text, &ctx(&[("vllm.test", &["10.0.0.7"])])).is_ok());
+    let err = build(&text, &ctx(&[("vllm.test", &["10.0.0.7", "192.168.0.1"])]))
+        .err()
+        .expect("not allowed")
+        .to_string();
+    assert_eq!(
+        err,
+        "r.toml: providers[0].api_base: provider \"vllm-1\": address 192.168.0.1 of \"vllm.test\" \
+         matches no egress allow rule (egress.allow)"
+    );
+    // Unresolvable api_base keeps its own message.
+    let err = build(&text, &ctx(&[]))
+        .err()
+        .expect("unresolvable")
+        .to_string();
+    assert!(
+        err.starts_with("r.toml: providers[0].api_base: cannot resolve \"vllm.test:8000\""),
+        "{err}"
+    );
+}
