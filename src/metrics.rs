@@ -42,6 +42,15 @@ pub struct Metrics {
     pub trie_evictions: IntGaugeVec,
     /// Sessions in a route's affinity table (refreshed at scrape time).
     pub sessions: IntGaugeVec,
+    /// KV-event stream counters per provider and kind (batches, events by type, decode
+    /// errors, gaps, restarts, replays, staleness, ...), mirrored at scrape time.
+    pub kv_stream: IntCounterVec,
+    /// 1 if a provider's KV-event index is trusted (in sequence, fresh), else 0.
+    pub kv_trusted: IntGaugeVec,
+    /// 1 if a provider's KV-event socket is up, else 0.
+    pub kv_connected: IntGaugeVec,
+    /// GPU-resident blocks in a provider's residency index.
+    pub kv_index_blocks: IntGaugeVec,
     /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
     pub lmcache_polls: IntCounterVec,
 }
@@ -141,6 +150,30 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["route"]
     )
     .expect("register rolter_sessions"),
+    kv_stream: register_int_counter_vec!(
+        "rolter_kv_stream_total",
+        "KV-event stream counters by provider and kind",
+        &["provider", "kind"]
+    )
+    .expect("register rolter_kv_stream_total"),
+    kv_trusted: register_int_gauge_vec!(
+        "rolter_kv_stream_trusted",
+        "1 if the provider's KV-event residency index is trusted (in sequence, fresh)",
+        &["provider"]
+    )
+    .expect("register rolter_kv_stream_trusted"),
+    kv_connected: register_int_gauge_vec!(
+        "rolter_kv_stream_connected",
+        "1 if the provider's KV-event socket is up",
+        &["provider"]
+    )
+    .expect("register rolter_kv_stream_connected"),
+    kv_index_blocks: register_int_gauge_vec!(
+        "rolter_kv_index_blocks",
+        "GPU-resident blocks in the provider's residency index",
+        &["provider"]
+    )
+    .expect("register rolter_kv_index_blocks"),
     lmcache_polls: register_int_counter_vec!(
         "rolter_lmcache_polls_total",
         "LMCache status polls by provider and result (ok, error, invalid, timeout, denied)",
@@ -148,6 +181,44 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
     )
     .expect("register rolter_lmcache_polls_total"),
 });
+
+/// Mirror a provider's KV-event stream state into the metrics (called at scrape time;
+/// the stream's counters only grow, so the Prometheus counters catch up by the delta).
+pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let st = &kv.stream;
+    let m = &*METRICS;
+    for (kind, value) in [
+        ("batches", &st.batches),
+        ("block_stored", &st.events_stored),
+        ("block_removed", &st.events_removed),
+        ("all_blocks_cleared", &st.events_cleared),
+        ("decode_errors", &st.decode_errors),
+        ("gaps", &st.gaps),
+        ("restarts", &st.restarts),
+        ("replays_ok", &st.replays_ok),
+        ("replays_failed", &st.replays_failed),
+        ("rebuilds", &st.rebuilds),
+        ("stale", &st.stale),
+        ("connects", &st.connects),
+        ("evictions", &st.evictions),
+    ] {
+        let c = m.kv_stream.with_label_values(&[provider, kind]);
+        let delta = value.load(Relaxed).saturating_sub(c.get());
+        if delta > 0 {
+            c.inc_by(delta);
+        }
+    }
+    m.kv_trusted
+        .with_label_values(&[provider])
+        .set(i64::from(st.is_trusted()));
+    m.kv_connected
+        .with_label_values(&[provider])
+        .set(i64::from(st.is_connected()));
+    m.kv_index_blocks
+        .with_label_values(&[provider])
+        .set(kv.index.block_count() as i64);
+}
 
 /// Render every registered metric in the Prometheus text format.
 pub fn render() -> Vec<u8> {

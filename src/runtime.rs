@@ -10,7 +10,7 @@ use crate::config::{
     self, BreakerConfig, Config, ConfigError, HealthConfig, LimitsConfig, LmcacheConfig,
 };
 use crate::egress::{self, EgressError, EgressPolicy, OutboundError, Resolver, SystemResolver};
-use crate::fleet::{ProviderHealth, Registry, TargetKey, TargetState};
+use crate::fleet::{KvState, ProviderHealth, Registry, TargetKey, TargetState};
 use crate::lmcache_poll::{LmcacheBoard, LmcacheEndpoint, LmcacheStatus};
 use crate::metrics::METRICS;
 use crate::routing::{self, Strategy};
@@ -65,6 +65,33 @@ pub struct RouteTarget {
     pub weight: u32,
     /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
     pub lmcache: Option<Arc<LmcacheStatus>>,
+    /// The provider's KV-event state, if it has `[providers.kv_events]`.
+    pub kv: Option<Arc<KvState>>,
+}
+
+/// One `[providers.kv_events]` stream, resolved and egress-checked at load.
+#[derive(Clone)]
+pub struct KvEntry {
+    /// Provider name.
+    pub provider: String,
+    /// What the subscriber connects to (addresses, not names: resolved at load so a
+    /// name cannot later resolve past the egress policy).
+    pub spec: KvSpec,
+    /// Index and stream state fed by the subscriber.
+    pub state: Arc<KvState>,
+}
+
+/// A subscriber's settings; a change restarts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSpec {
+    /// `tcp://ip:port` to connect to, or `tcp://*:port` to bind.
+    pub endpoint: String,
+    /// Topic prefix.
+    pub topic: String,
+    /// `tcp://ip:port` of the replay ROUTER.
+    pub replay_endpoint: Option<String>,
+    /// Staleness limit.
+    pub staleness_ms: u64,
 }
 
 /// A model alias with its strategy and targets.
@@ -116,6 +143,7 @@ pub struct RouteTable {
     models_json: Bytes,
     egress: Arc<EgressPolicy>,
     lmcache: Vec<Arc<LmcacheEndpoint>>,
+    kv: Vec<KvEntry>,
 }
 
 /// What building a table needs besides the config: the name resolver and the state
@@ -166,6 +194,7 @@ impl RouteTable {
         let mut providers = HashMap::new();
         let mut entries = Vec::new();
         let mut lmcache = HashMap::new();
+        let mut kv: Vec<KvEntry> = Vec::new();
         for (index, p) in config.providers.iter().enumerate() {
             let resolved = resolve_provider(&p.api_base, origin, index, &p.name, ctx, &egress)?;
             entries.push(ProviderEntry {
@@ -179,6 +208,26 @@ impl RouteTable {
             if let Some(l) = &p.lmcache {
                 let ep = lmcache_endpoint(&p.name, l, origin, index, ctx, &egress)?;
                 lmcache.insert(p.name.as_str(), Arc::new(ep));
+            }
+            if let Some(k) = &p.kv_events {
+                let resolve = |key: &'static str, url: &str| {
+                    resolve_zmq(url, key, origin, index, &p.name, ctx, &egress)
+                };
+                let spec = KvSpec {
+                    endpoint: resolve("kv_events.endpoint", &k.endpoint)?,
+                    topic: k.topic.clone(),
+                    replay_endpoint: k
+                        .replay_endpoint
+                        .as_deref()
+                        .map(|r| resolve("kv_events.replay_endpoint", r))
+                        .transpose()?,
+                    staleness_ms: k.staleness_ms,
+                };
+                kv.push(KvEntry {
+                    provider: p.name.clone(),
+                    spec,
+                    state: registry.kv_state(&p.name, k.max_blocks),
+                });
             }
         }
         let mut routes = HashMap::new();
@@ -210,6 +259,10 @@ impl RouteTable {
                         upstream_model: t.model.clone(),
                         weight: t.weight,
                         lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
+                        kv: kv
+                            .iter()
+                            .find(|e| e.provider == t.provider)
+                            .map(|e| e.state.clone()),
                     }
                 })
                 .collect();
@@ -242,7 +295,13 @@ impl RouteTable {
             models_json,
             egress,
             lmcache,
+            kv,
         })
+    }
+
+    /// Every `[providers.kv_events]` stream of this generation.
+    pub fn kv_streams(&self) -> &[KvEntry] {
+        &self.kv
     }
 
     /// The egress policy of this generation.
@@ -363,6 +422,39 @@ fn lmcache_endpoint(
     Ok(LmcacheEndpoint::new(provider, l, status).expect("validated lmcache.endpoint"))
 }
 
+/// Resolve and egress-check a `tcp://host:port` ZMQ endpoint into `tcp://ip:port`.
+/// A wildcard bind (`tcp://*:port`) is a local address and passes through.
+fn resolve_zmq(
+    url: &str,
+    key: &'static str,
+    origin: &str,
+    index: usize,
+    provider: &str,
+    ctx: &LoadContext,
+    policy: &EgressPolicy,
+) -> Result<String, LoadError> {
+    if config::is_bind_endpoint(url) {
+        return Ok(url.to_string());
+    }
+    let (host, port) = egress::url_host_port(url, 0).expect("validated zmq endpoint");
+    match egress::resolve_checked(ctx.resolver.as_ref(), policy, &host, port) {
+        Ok(addrs) => Ok(format!("tcp://{}", SocketAddr::new(addrs[0], port))),
+        Err(OutboundError::Egress(error)) => Err(LoadError::Egress {
+            path: origin.to_string(),
+            index,
+            provider: provider.to_string(),
+            key,
+            error,
+        }),
+        Err(OutboundError::Resolve { reason, .. }) => Err(LoadError::Resolve {
+            path: origin.to_string(),
+            index,
+            authority: format!("{host}:{port}"),
+            reason,
+        }),
+    }
+}
+
 fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
     let mut peer = HttpPeer::new(addr, false, String::new());
     peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
@@ -433,6 +525,14 @@ impl Runtime {
                 self.registry.retain(&keep);
                 self.registry.retain_sessions(&aliases);
                 self.ctx.lmcache.retain(&keep_lmcache);
+                let keep_kv = self
+                    .table
+                    .load()
+                    .kv
+                    .iter()
+                    .map(|e| e.provider.clone())
+                    .collect();
+                self.registry.retain_kv(&keep_kv);
                 METRICS.reloads.with_label_values(&["ok"]).inc();
                 log::info!("reloaded routes from {}", self.routes_path.display());
                 Ok(())

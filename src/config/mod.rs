@@ -15,7 +15,7 @@ mod schema;
 mod validate;
 
 pub use schema::*;
-pub use validate::endpoint_egress_problem;
+pub use validate::{check_zmq_endpoint, endpoint_egress_problem, is_bind_endpoint};
 
 use std::path::Path;
 use thiserror::Error;

@@ -66,6 +66,43 @@ pub struct ProviderConfig {
     /// Optional LMCache status endpoint polled by `lmcache_aware` routes.
     #[serde(default)]
     pub lmcache: Option<LmcacheConfig>,
+    /// Optional vLLM KV-event stream feeding `precise_cache_aware` routes.
+    #[serde(default)]
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// Default staleness limit of a KV-event stream: requests were routed to a replica and
+/// no batch followed within this long → its index is untrusted.
+pub const DEFAULT_KV_STALENESS_MS: u64 = 10_000;
+/// Default cap on blocks remembered per replica (covers a 16 GiB-class GPU cache).
+pub const DEFAULT_KV_MAX_BLOCKS: usize = 1 << 20;
+
+/// `[providers.kv_events]`: a replica's vLLM V1 KV-event publisher.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct KvEventsConfig {
+    /// ZMQ PUB endpoint, `tcp://host:port` (connect), or `tcp://*:port` to bind one
+    /// address the replica dials (vLLM connects when its endpoint has no wildcard).
+    pub endpoint: String,
+    /// Topic prefix to subscribe to ("" = all, vLLM's default).
+    #[serde(default)]
+    pub topic: String,
+    /// Optional replay ROUTER endpoint, `tcp://host:port`, used to repair gaps.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// Staleness limit (see [`DEFAULT_KV_STALENESS_MS`]).
+    #[serde(default = "default_kv_staleness_ms")]
+    pub staleness_ms: u64,
+    /// Most blocks remembered for this replica.
+    #[serde(default = "default_kv_max_blocks")]
+    pub max_blocks: usize,
+}
+
+fn default_kv_staleness_ms() -> u64 {
+    DEFAULT_KV_STALENESS_MS
+}
+
+fn default_kv_max_blocks() -> usize {
+    DEFAULT_KV_MAX_BLOCKS
 }
 
 /// `[providers.lmcache]`: where and how often to poll a replica's cache status.
@@ -194,6 +231,8 @@ pub enum StrategyKind {
     Pipeline,
     /// Longest cached prefix (per-target prompt tries), with an overload guard.
     CacheAware,
+    /// Exact block residency from each replica's KV-event stream (token ids header).
+    PreciseCacheAware,
     /// Prefer free LMCache capacity (`[providers.lmcache]`), balanced by load.
     LmcacheAware,
 }
@@ -207,6 +246,7 @@ impl StrategyKind {
             StrategyKind::CacheAware => "cache_aware",
             StrategyKind::Pipeline => "pipeline",
             StrategyKind::LmcacheAware => "lmcache_aware",
+            StrategyKind::PreciseCacheAware => "precise_cache_aware",
         }
     }
 }

@@ -53,6 +53,9 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         if let Some(lmcache) = &p.lmcache {
             out.extend(lmcache_problems(&policy, i, &p.name, lmcache));
         }
+        if let Some(kv) = &p.kv_events {
+            out.extend(kv_events_problems(&policy, i, &p.name, kv));
+        }
     }
     let mut aliases = HashSet::new();
     for (i, r) in config.routes.iter().enumerate() {
@@ -173,6 +176,69 @@ pub fn endpoint_egress_problem(
     Some(format!(
         "providers[{index}].{key}: provider \"{provider}\": {err}"
     ))
+}
+
+/// Whether a ZMQ endpoint is a wildcard bind (`tcp://*:port`): a local listen
+/// address, not a destination, so egress does not apply.
+pub fn is_bind_endpoint(endpoint: &str) -> bool {
+    endpoint.strip_prefix("tcp://").is_some_and(|rest| {
+        rest.starts_with("*:") || rest.starts_with("[::]:") || rest.starts_with("0.0.0.0:")
+    })
+}
+
+/// Check a `tcp://host:port` ZMQ endpoint's shape.
+pub fn check_zmq_endpoint(endpoint: &str) -> Result<(), String> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or("expected tcp://host:port")?;
+    let (host, port) = rest.rsplit_once(':').ok_or("missing :port")?;
+    if host.is_empty() {
+        return Err("missing host".into());
+    }
+    port.parse::<u16>()
+        .map_err(|_| format!("bad port \"{port}\""))?;
+    Ok(())
+}
+
+/// Shape and egress problems of one `[providers.kv_events]`.
+fn kv_events_problems(
+    policy: &EgressPolicy,
+    i: usize,
+    name: &str,
+    kv: &super::KvEventsConfig,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let endpoints = [
+        ("endpoint", Some(&kv.endpoint)),
+        ("replay_endpoint", kv.replay_endpoint.as_ref()),
+    ];
+    for (key, url) in endpoints {
+        let Some(url) = url else { continue };
+        if let Err(why) = check_zmq_endpoint(url) {
+            out.push(format!(
+                "providers[{i}].kv_events.{key}: bad endpoint \"{url}\": {why}"
+            ));
+        } else if !(key == "endpoint" && is_bind_endpoint(url)) {
+            out.extend(endpoint_egress_problem(
+                policy,
+                i,
+                name,
+                &format!("kv_events.{key}"),
+                url,
+            ));
+        }
+    }
+    if kv.replay_endpoint.as_deref().is_some_and(is_bind_endpoint) {
+        out.push(format!(
+            "providers[{i}].kv_events.replay_endpoint: must name the replica, not a wildcard"
+        ));
+    }
+    if kv.staleness_ms == 0 || kv.max_blocks == 0 {
+        out.push(format!(
+            "providers[{i}].kv_events: staleness_ms and max_blocks must be greater than 0"
+        ));
+    }
+    out
 }
 
 /// Shape, timing and egress problems of one `[providers.lmcache]`.

@@ -10,8 +10,9 @@
 pub mod breaker;
 pub mod probe;
 
+use crate::kv_events::sequence::StreamState;
 use crate::metrics::METRICS;
-use crate::prefix::PrefixTrie;
+use crate::prefix::{PrefixTrie, ResidencyIndex};
 use crate::routing::SessionTable;
 use breaker::Breaker;
 use dashmap::DashMap;
@@ -179,6 +180,26 @@ pub struct Registry {
     targets: DashMap<TargetKey, Arc<TargetState>>,
     providers: DashMap<String, Arc<ProviderHealth>>,
     sessions: DashMap<String, Arc<SessionTable>>,
+    kv: DashMap<String, Arc<KvState>>,
+}
+
+/// A replica's KV-event state: the residency index its stream feeds and the stream's
+/// health. Keyed by provider (one vLLM replica), shared by all its targets, kept
+/// across reloads.
+pub struct KvState {
+    /// Blocks the replica reported resident.
+    pub index: Arc<ResidencyIndex>,
+    /// Sequence / staleness / counters of its stream.
+    pub stream: Arc<StreamState>,
+}
+
+impl std::fmt::Debug for KvState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvState")
+            .field("blocks", &self.index.block_count())
+            .field("trusted", &self.stream.is_trusted())
+            .finish()
+    }
 }
 
 impl Registry {
@@ -229,6 +250,32 @@ impl Registry {
             .clone();
         table.configure(ttl_s, cap);
         table
+    }
+
+    /// A provider's KV-event state, created on first use with a `max_blocks` cap.
+    pub fn kv_state(&self, provider: &str, max_blocks: usize) -> Arc<KvState> {
+        self.kv
+            .entry(provider.to_string())
+            .or_insert_with(|| {
+                Arc::new(KvState {
+                    index: Arc::new(ResidencyIndex::new(max_blocks)),
+                    stream: Arc::new(StreamState::new()),
+                })
+            })
+            .clone()
+    }
+
+    /// Every provider's KV-event state.
+    pub fn kv_states(&self) -> Vec<(String, Arc<KvState>)> {
+        self.kv
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
+    }
+
+    /// Forget KV state of providers that no longer have `[providers.kv_events]`.
+    pub fn retain_kv(&self, providers: &std::collections::HashSet<String>) {
+        self.kv.retain(|p, _| providers.contains(p));
     }
 
     /// Every route's session table, by alias.

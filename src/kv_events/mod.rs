@@ -6,9 +6,11 @@
 //! (that is `routing/precise.rs`), register metrics itself (it exposes atomic
 //! counters in [`subscriber::StreamState`] for `metrics.rs` to read) or touch
 //! config parsing: callers hand it a plain [`subscriber::SubscriberConfig`].
-//! Everything network-facing lives in `subscriber`; `decode` and `sequence` are
+//! Everything network-facing lives in `subscriber` (and `service`, which keeps one
+//! subscriber per configured provider running as a pingora background service); `decode` and `sequence` are
 //! pure and unit-tested without sockets.
 
 pub mod decode;
 pub mod sequence;
+pub mod service;
 pub mod subscriber;

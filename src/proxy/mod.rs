@@ -28,7 +28,7 @@ use crate::fleet::breaker::Outcome;
 use crate::fleet::now_ms;
 use crate::metrics::METRICS;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
-use crate::routing::{Candidate, FleetView, RouteInput};
+use crate::routing::{Candidate, FleetView, KvView, RouteInput};
 use crate::runtime::{Route, RouteTable, Runtime};
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -167,7 +167,11 @@ impl Gateway {
                     weight: t.weight,
                     prefix: Some(&t.state.trie),
                     label: t.state.label(),
-                    kv: None,
+                    kv: t.kv.as_deref().map(|kv| KvView {
+                        index: &kv.index,
+                        trusted: kv.stream.is_trusted(),
+                        stream: Some(&kv.stream),
+                    }),
                     lmcache: t.lmcache.as_ref().and_then(|s| s.view(now_instant)),
                 })
                 .collect();
@@ -308,6 +312,9 @@ impl Gateway {
                         .sessions
                         .with_label_values(&[&alias])
                         .set(sessions.len() as i64);
+                }
+                for (provider, kv) in self.runtime.registry().kv_states() {
+                    crate::metrics::export_kv_stream(&provider, &kv);
                 }
                 for t in self.runtime.registry().targets() {
                     let label = [t.label()];

@@ -178,6 +178,7 @@ pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strate
             Box::new(Pipeline::new(weights, sessions))
         }
         StrategyKind::LmcacheAware => Box::new(LmcacheAware),
+        StrategyKind::PreciseCacheAware => Box::new(PreciseCacheAware::new(route.cache_threshold)),
     }
 }
 

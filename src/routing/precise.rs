@@ -10,6 +10,7 @@
 
 use super::cache_aware::{least_loaded_then_coldest, overloaded, DEFAULT_CACHE_THRESHOLD};
 use super::{pick_random, Decision, FleetView, Reason, RouteInput, Strategy};
+use crate::kv_events::sequence::StreamState;
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
 
 /// What precise routing sees of a target's KV-event state.
@@ -19,6 +20,9 @@ pub struct KvView<'a> {
     pub index: &'a ResidencyIndex,
     /// Whether the stream is in sequence and fresh.
     pub trusted: bool,
+    /// The stream's state (atomics only), told when a routed request should make the
+    /// replica publish events, so silence after it can be detected as staleness.
+    pub stream: Option<&'a StreamState>,
 }
 
 /// The precise cache-aware strategy.
@@ -111,6 +115,25 @@ impl Strategy for PreciseCacheAware {
             score: Some(best),
         })
     }
+
+    fn record(&self, input: &RouteInput, fleet: &FleetView, target: usize) {
+        // A request with more full blocks than the replica holds makes it store some:
+        // events must follow, or the stream is stale (`StreamState::note_routed`).
+        let (Some(tokens), Some(c)) = (input.token_ids, fleet.candidates.get(target)) else {
+            return;
+        };
+        let Some(kv) = c.kv else { return };
+        let Some(bs) = kv.index.block_size() else {
+            return;
+        };
+        let chain = PrefixChain::new(tokens, bs, None);
+        let m = kv.index.match_chain(&chain);
+        if m.total_blocks > m.gpu_blocks {
+            if let Some(stream) = kv.stream {
+                stream.note_routed();
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +180,7 @@ mod tests {
                 kv: Some(KvView {
                     index,
                     trusted: trusted[i],
+                    stream: None,
                 }),
                 lmcache: None,
             })
