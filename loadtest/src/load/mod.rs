@@ -1,0 +1,1 @@
+//! The load driver: workloads, the runner, reports and the strategy comparison.
