@@ -16,6 +16,7 @@ pub mod http;
 pub mod kv_events;
 pub mod load;
 pub mod replica;
+pub mod sim_args;
 pub mod stub;
 pub mod tokenizer;
 

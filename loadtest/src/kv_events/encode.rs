@@ -21,7 +21,7 @@ use rmpv::Value;
 use crate::cache::{BlockHash, CacheEvent};
 
 /// How events are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum EventLayout {
     /// `array_like` tagged arrays (vLLM ≤ 0.23).
     #[default]
@@ -33,7 +33,7 @@ pub enum EventLayout {
 /// How the outer batch is laid out. vLLM releases keep the batch `array_like`; `Map` exists for
 /// decoder robustness tests (one vLLM main-branch snapshot declares `EventBatch` without
 /// `array_like`, which would encode it as `{"ts", "events", "data_parallel_rank"}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum BatchLayout {
     #[default]
     Array,
@@ -41,7 +41,7 @@ pub enum BatchLayout {
 }
 
 /// How block hashes are presented.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum HashRepr {
     /// Unsigned 64-bit int (vLLM's default since 0.10.2).
     #[default]
@@ -54,7 +54,7 @@ pub enum HashRepr {
 }
 
 /// Which optional fields a version of vLLM writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord, clap::ValueEnum)]
 pub enum EventFields {
     /// `BlockStored` up to `lora_id`, `BlockRemoved` with only hashes, batch `[ts, events]`.
     Base,
