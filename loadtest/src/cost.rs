@@ -50,7 +50,12 @@ impl CostModel {
     }
 
     /// Time from admission to the last of `output_tokens` tokens.
-    pub fn total(&self, prompt_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Duration {
+    pub fn total(
+        &self,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        output_tokens: usize,
+    ) -> Duration {
         self.prefill(prompt_tokens, cached_tokens)
             + self.decode_offset(output_tokens.saturating_sub(1))
     }

@@ -165,7 +165,10 @@ impl ReplicaHandle {
 
     /// Token chunks of every cached block (hash-independent, for cross-replica comparisons).
     pub fn cached_token_chunks(&self) -> HashSet<Vec<u32>> {
-        self.cache_snapshot().into_iter().map(|b| b.tokens).collect()
+        self.cache_snapshot()
+            .into_iter()
+            .map(|b| b.tokens)
+            .collect()
     }
 
     /// Prompt tokens this replica would serve from cache right now.

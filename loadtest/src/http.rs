@@ -131,14 +131,21 @@ async fn generate(r: Arc<Replica>, kind: Kind, headers: HeaderMap, body: Bytes) 
             Kind::Chat => "messages",
             Kind::Completion => "prompt",
         };
-        return openai_error(StatusCode::BAD_REQUEST, &format!("missing or invalid `{what}`"));
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            &format!("missing or invalid `{what}`"),
+        );
     };
     let max_tokens = req
         .get("max_completion_tokens")
         .or_else(|| req.get("max_tokens"))
         .and_then(Value::as_u64);
     let n = max_tokens.map_or(r.config().default_max_tokens, |m| m as usize);
-    let finish = if max_tokens.is_some() { "length" } else { "stop" };
+    let finish = if max_tokens.is_some() {
+        "length"
+    } else {
+        "stop"
+    };
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = req
         .pointer("/stream_options/include_usage")
@@ -148,7 +155,11 @@ async fn generate(r: Arc<Replica>, kind: Kind, headers: HeaderMap, body: Bytes) 
     let meta = Meta {
         id: format!(
             "{}-sim{}-{}",
-            if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
             r.index,
             NEXT_ID.fetch_add(1, Ordering::Relaxed)
         ),
@@ -235,9 +246,8 @@ fn sse_response(
                "model": meta.model, "choices": [choice]})
     };
     // State: (receiver, meta, finished flag).
-    let stream = futures_util::stream::unfold(
-        (rx, meta, false),
-        move |(mut rx, meta, done)| async move {
+    let stream =
+        futures_util::stream::unfold((rx, meta, false), move |(mut rx, meta, done)| async move {
             if done {
                 return None;
             }
@@ -280,8 +290,7 @@ fn sse_response(
                 None => return None,
             };
             Some((Ok::<_, Infallible>(out.0), (rx, meta, out.1)))
-        },
-    );
+        });
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")

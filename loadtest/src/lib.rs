@@ -20,5 +20,7 @@ pub mod sim_args;
 pub mod stub;
 pub mod tokenizer;
 
-pub use fleet::{spawn_fleet, BackgroundFleet, FleetConfig, FleetHandle, KvEventsConfig, ReplicaHandle};
+pub use fleet::{
+    spawn_fleet, BackgroundFleet, FleetConfig, FleetHandle, KvEventsConfig, ReplicaHandle,
+};
 pub use replica::ReplicaConfig;

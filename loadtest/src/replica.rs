@@ -188,7 +188,9 @@ pub struct Replica {
 
 impl std::fmt::Debug for Replica {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Replica").field("index", &self.index).finish()
+        f.debug_struct("Replica")
+            .field("index", &self.index)
+            .finish()
     }
 }
 
@@ -267,7 +269,11 @@ impl Replica {
 
     /// Start generating `max_tokens` tokens for `prompt`; events arrive on the receiver. Dropping
     /// the receiver cancels the request (its blocks are released).
-    pub fn start(self: &Arc<Self>, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver<GenEvent> {
+    pub fn start(
+        self: &Arc<Self>,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> mpsc::Receiver<GenEvent> {
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
         tokio::spawn(async move { me.run(prompt, max_tokens, tx).await });
@@ -601,6 +607,9 @@ impl Drop for Running<'_> {
         if let Some(lease) = self.lease.take() {
             self.replica.cache.lock().release(lease);
         }
-        self.replica.counters.running.fetch_sub(1, Ordering::Relaxed);
+        self.replica
+            .counters
+            .running
+            .fetch_sub(1, Ordering::Relaxed);
     }
 }

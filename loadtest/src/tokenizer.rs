@@ -252,7 +252,10 @@ mod tests {
         let t = request_prompt_tokens("/v1/chat/completions", &chat).unwrap();
         assert_eq!(
             t,
-            chat_tokens(&[ChatMessage::new("system", "sys"), ChatMessage::new("user", "hi")])
+            chat_tokens(&[
+                ChatMessage::new("system", "sys"),
+                ChatMessage::new("user", "hi")
+            ])
         );
         let c = json!({"prompt": [1, 2, 3]});
         assert_eq!(

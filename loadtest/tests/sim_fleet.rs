@@ -42,7 +42,10 @@ fn chat_body(system: &str, user: &str, max_tokens: u64, stream: bool) -> Json {
 }
 
 fn words(n: usize, tag: &str) -> String {
-    (0..n).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 async fn subscribe(endpoint: &str, topic: &str) -> zeromq::SubSocket {
@@ -160,10 +163,7 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
         ChatMessage::new("system", sys.clone()),
         ChatMessage::new("user", "second question"),
     ]);
-    assert_eq!(
-        stats.prefix_cache_queries,
-        (prompt.len() + q2.len()) as u64
-    );
+    assert_eq!(stats.prefix_cache_queries, (prompt.len() + q2.len()) as u64);
     // Blocks shared by both prompts: the system prompt's common full blocks.
     let common = prompt.iter().zip(&q2).take_while(|(a, b)| a == b).count();
     assert_eq!(stats.prefix_cache_hits, (common / 16 * 16) as u64);
@@ -205,7 +205,11 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
 
     let bad = c.post(&url).body("{not json").send().await.unwrap();
     assert_eq!(bad.status(), 400);
-    let health = c.get(format!("{}/health", r0.base_url())).send().await.unwrap();
+    let health = c
+        .get(format!("{}/health", r0.base_url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(health.status(), 200);
     f.shutdown().await;
 }
@@ -299,7 +303,10 @@ async fn kv_events_live_match_cache_and_replay() {
 
     // Replay from seq 1: every buffered batch from 1 on, then the end marker.
     let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(&r.kv_replay_endpoint().unwrap()).await.unwrap();
+    dealer
+        .connect(&r.kv_replay_endpoint().unwrap())
+        .await
+        .unwrap();
     let mut req = ZmqMessage::from(Bytes::new());
     req.push_back(Bytes::copy_from_slice(&1u64.to_be_bytes()));
     dealer.send(req).await.unwrap();
@@ -371,7 +378,10 @@ async fn kv_faults_gap_corrupt_stall_restart() {
     assert_eq!(seq_of(&recv(&mut sub).await), 4);
 
     r.kv_fault(KvFault::Restart);
-    assert!(r.cached_block_hashes().is_empty(), "a restart empties the cache");
+    assert!(
+        r.cached_block_hashes().is_empty(),
+        "a restart empties the cache"
+    );
     send().await;
     let m = recv(&mut sub).await;
     assert_eq!(seq_of(&m), 0, "sequence restarts at 0");
@@ -445,11 +455,7 @@ async fn lmcache_status_and_faults() {
         .await
         .unwrap();
     assert!(set.status().is_success());
-    let hung = c
-        .get(&url)
-        .timeout(Duration::from_millis(200))
-        .send()
-        .await;
+    let hung = c.get(&url).timeout(Duration::from_millis(200)).send().await;
     assert!(hung.is_err(), "status endpoint hangs");
 
     r.set_http_fault(HttpFault::Error);
@@ -461,7 +467,11 @@ async fn lmcache_status_and_faults() {
         .unwrap();
     assert_eq!(e.status(), 500);
     r.set_http_fault(HttpFault::Unhealthy);
-    let h = c.get(format!("{}/health", r.base_url())).send().await.unwrap();
+    let h = c
+        .get(format!("{}/health", r.base_url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h.status(), 503);
     // Shutdown ends the hanging handler promptly.
     tokio::time::timeout(LIMIT, f.shutdown()).await.unwrap();
@@ -504,6 +514,10 @@ async fn bounded_concurrency_queues_requests() {
     assert!(a.unwrap().status().is_success());
     assert!(b.unwrap().status().is_success());
     // Each request decodes 2 tokens after the first: 80 ms; serialized: ≥ 160 ms.
-    assert!(t0.elapsed() >= Duration::from_millis(160), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(160),
+        "{:?}",
+        t0.elapsed()
+    );
     f.shutdown().await;
 }

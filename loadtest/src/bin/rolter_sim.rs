@@ -11,7 +11,11 @@ use rolter_loadtest::sim_args::{announcement, SimArgs};
 use rolter_loadtest::spawn_fleet;
 
 #[derive(Debug, Parser)]
-#[command(name = "rolter-sim", about = "Simulated vLLM fleet for rolter", version)]
+#[command(
+    name = "rolter-sim",
+    about = "Simulated vLLM fleet for rolter",
+    version
+)]
 struct Cli {
     #[command(flatten)]
     sim: SimArgs,

@@ -132,11 +132,7 @@ fn tagged(tag: &str, fields: Vec<(&str, Option<Value>)>, layout: EventLayout) ->
         EventLayout::Map => {
             let mut map = Vec::with_capacity(fields.len() + 1);
             map.push((s("type"), s(tag)));
-            map.extend(
-                fields
-                    .into_iter()
-                    .filter_map(|(k, v)| v.map(|v| (s(k), v))),
-            );
+            map.extend(fields.into_iter().filter_map(|(k, v)| v.map(|v| (s(k), v))));
             Value::Map(map)
         }
     }
@@ -144,7 +140,8 @@ fn tagged(tag: &str, fields: Vec<(&str, Option<Value>)>, layout: EventLayout) ->
 
 /// One event as a msgpack value.
 pub fn event_value(ev: &CacheEvent, fmt: &WireFormat) -> Value {
-    let hashes = |hs: &[BlockHash]| Value::Array(hs.iter().map(|&h| wire_hash(h, fmt.hash)).collect());
+    let hashes =
+        |hs: &[BlockHash]| Value::Array(hs.iter().map(|&h| wire_hash(h, fmt.hash)).collect());
     let f = fmt.fields;
     match ev {
         CacheEvent::Stored {
@@ -161,7 +158,9 @@ pub fn event_value(ev: &CacheEvent, fmt: &WireFormat) -> Value {
                 ),
                 (
                     "token_ids",
-                    Some(Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect())),
+                    Some(Value::Array(
+                        token_ids.iter().map(|&t| Value::from(t)).collect(),
+                    )),
                 ),
                 ("block_size", Some(Value::from(*block_size as u64))),
                 ("lora_id", Some(Value::Nil)),

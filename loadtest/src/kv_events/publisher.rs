@@ -120,7 +120,11 @@ impl Publisher {
     pub async fn start(cfg: PublisherConfig) -> std::io::Result<Self> {
         let mut pub_sock = zeromq::PubSocket::new();
         let monitor = pub_sock.monitor();
-        let endpoint = pub_sock.bind(&cfg.endpoint).await.map_err(io_err)?.to_string();
+        let endpoint = pub_sock
+            .bind(&cfg.endpoint)
+            .await
+            .map_err(io_err)?
+            .to_string();
         let (replay, replay_endpoint) = match &cfg.replay_endpoint {
             Some(ep) => {
                 let mut r = zeromq::RouterSocket::new();
@@ -390,7 +394,13 @@ pub mod dump {
             })
         }
 
-        pub(super) fn write(&mut self, topic: &[u8], seq: u64, payload: &[u8], events: &[CacheEvent]) {
+        pub(super) fn write(
+            &mut self,
+            topic: &[u8],
+            seq: u64,
+            payload: &[u8],
+            events: &[CacheEvent],
+        ) {
             let seq_bytes = seq.to_be_bytes();
             let frames: [&[u8]; 3] = [topic, &seq_bytes, payload];
             let mut buf = Vec::with_capacity(payload.len() + 32);
