@@ -5,10 +5,12 @@
 //!   encoded `array_like` as `[ts, events, data_parallel_rank]` (vLLM's publisher fills in the
 //!   rank, so it is present; very old versions had `[ts, events]`).
 //! - Events are msgspec tagged structs with `omit_defaults=True`: the tag is the class name.
-//!   Up to vLLM 0.23 they are `array_like`: `["BlockStored", field, field, ...]` in declaration
-//!   order with trailing default-valued fields omitted. From 0.24 (vLLM PR #42892) they are maps:
-//!   `{"type": "BlockStored", "field": value, ...}` in declaration order, default-valued fields
-//!   omitted wherever they are.
+//!   Up to vLLM 0.23 they are `array_like`: `["BlockStored", field, field, ...]` with every
+//!   field the release declares, in declaration order — msgspec ignores `omit_defaults` for
+//!   `array_like` structs (msgspec issue #720; checked with msgspec 0.23: a default-valued
+//!   trailing field is written as nil), so arrays differ in length only between releases.
+//!   From 0.24 (vLLM PR #42892) they are maps: `{"type": "BlockStored", "field": value, ...}`
+//!   in declaration order, fields equal to their default omitted.
 //! - Declaration order: `BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
 //!   lora_id, medium, lora_name, extra_keys=None, group_idx=None, kv_cache_spec_kind=None,
 //!   kv_cache_spec_sliding_window=None)`, `BlockRemoved(block_hashes, medium, group_idx=None)`,
@@ -53,18 +55,21 @@ pub enum HashRepr {
     Bytes32,
 }
 
-/// Which optional fields a version of vLLM writes.
+/// Which fields a generation of vLLM declares (the structs of `tools/vllm_kv_events/structs.py`
+/// in parentheses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord, clap::ValueEnum)]
 pub enum EventFields {
-    /// `BlockStored` up to `lora_id`, `BlockRemoved` with only hashes, batch `[ts, events]`.
+    /// vLLM 0.8.5 era (`Legacy*`): `BlockStored` up to `lora_id`, `BlockRemoved` with only
+    /// hashes, batch `[ts, events]`.
     Base,
-    /// Adds `medium = "GPU"` and the batch's `data_parallel_rank`.
+    /// Adds `medium = "GPU"` to both events and the batch's `data_parallel_rank`.
     Medium,
-    /// Adds `lora_name = None` to `BlockStored` (always written: it has no default).
+    /// Adds `lora_name = None` to `BlockStored` (`Mid*`).
     #[default]
     LoraName,
-    /// Adds `extra_keys = [None] * n`, `group_idx = 0`, `kv_cache_spec_kind = "full_attention"`
-    /// (and `group_idx = 0` on removals), as recent vLLM writes them.
+    /// Adds `extra_keys = [None] * n`, `group_idx = 0`, `kv_cache_spec_kind = "full_attention"`,
+    /// `kv_cache_spec_sliding_window = None` (and `group_idx = 0` on removals), as recent vLLM
+    /// writes them (`Array*`, and the map-layout structs).
     Extended,
 }
 
@@ -109,24 +114,16 @@ fn s(v: &str) -> Value {
     Value::from(v)
 }
 
-/// Build a struct value: tagged array or tagged map, `fields` in declaration order. In array
-/// layout trailing `None` (default) fields are dropped; in map layout every `None` one is.
-/// `Some(Value::Nil)` is a field without a default whose value is None: always written.
+/// Build a struct value: tagged array or tagged map, `fields` in declaration order. `None`
+/// marks a field holding its default: written as nil in array layout (msgspec writes every
+/// field of an `array_like` struct), omitted in map layout. `Some(Value::Nil)` is a field
+/// without a default whose value is None: written in both layouts.
 fn tagged(tag: &str, fields: Vec<(&str, Option<Value>)>, layout: EventLayout) -> Value {
     match layout {
         EventLayout::Array => {
-            let keep = fields
-                .iter()
-                .rposition(|(_, v)| v.is_some())
-                .map_or(0, |i| i + 1);
-            let mut arr = Vec::with_capacity(keep + 1);
+            let mut arr = Vec::with_capacity(fields.len() + 1);
             arr.push(s(tag));
-            arr.extend(
-                fields
-                    .into_iter()
-                    .take(keep)
-                    .map(|(_, v)| v.unwrap_or(Value::Nil)),
-            );
+            arr.extend(fields.into_iter().map(|(_, v)| v.unwrap_or(Value::Nil)));
             Value::Array(arr)
         }
         EventLayout::Map => {
@@ -306,7 +303,7 @@ mod tests {
     }
 
     #[test]
-    fn trailing_defaults_omitted_in_array_but_not_inner_ones() {
+    fn array_writes_every_declared_field_map_omits_defaults() {
         let base = WireFormat {
             fields: EventFields::Base,
             ..WireFormat::default()
@@ -322,10 +319,18 @@ mod tests {
         };
         let v = event_value(&stored(), &ext);
         let a = v.as_array().unwrap();
-        // tag + 10 fields; sliding_window (None, trailing) dropped.
-        assert_eq!(a.len(), 11);
+        // tag + 11 fields; sliding_window (default None) still written, as nil.
+        assert_eq!(a.len(), 12);
         assert_eq!(a[8], Value::Array(vec![Value::Nil]));
         assert_eq!(a[10].as_str(), Some("full_attention"));
+        assert_eq!(a[11], Value::Nil);
+        let removed = event_value(
+            &CacheEvent::Removed {
+                block_hashes: vec![1],
+            },
+            &ext,
+        );
+        assert_eq!(removed.as_array().unwrap().len(), 4);
         let m = event_value(
             &stored(),
             &WireFormat {
