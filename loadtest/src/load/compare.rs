@@ -182,10 +182,16 @@ fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
-fn log_tail(path: &Path) -> String {
+/// The last non-empty line of the gateway's log, and the log's tail printed to stderr.
+fn log_summary(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(20)..].join("\n")
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = &lines[lines.len().saturating_sub(20)..];
+    if !tail.is_empty() {
+        eprintln!("   gateway log ({}):\n{}", path.display(), tail.join("\n"));
+    }
+    tail.last()
+        .map_or_else(|| "empty log".into(), |l| l.trim().to_string())
 }
 
 async fn start_gateway(
@@ -221,9 +227,8 @@ async fn start_gateway(
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(format!(
-                "gateway exited with {status} before becoming ready; log {}:\n{}",
-                log.display(),
-                log_tail(&log)
+                "gateway exited with {status} before becoming ready: {}",
+                log_summary(&log)
             ));
         }
         if let Ok(r) = client.get(format!("{base_url}/health")).send().await {
@@ -238,10 +243,9 @@ async fn start_gateway(
         if tokio::time::Instant::now() >= deadline {
             let _ = child.start_kill();
             return Err(format!(
-                "gateway not ready after {}s; log {}:\n{}",
+                "gateway not ready after {} s: {}",
                 args.ready_timeout_secs,
-                log.display(),
-                log_tail(&log)
+                log_summary(&log)
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -392,9 +396,10 @@ pub async fn compare(
         source,
     })?;
     let mut reports = Vec::new();
+    let mut skipped = Vec::new();
     for strategy in &args.strategies {
         eprintln!("== {strategy}: {n_requests} requests");
-        let r = run_strategy(
+        let r = match run_strategy(
             strategy,
             sessions.clone(),
             sim,
@@ -403,7 +408,17 @@ pub async fn compare(
             workload.seed,
             &workdir,
         )
-        .await?;
+        .await
+        {
+            Ok(r) => r,
+            // A gateway that rejects a strategy (not implemented yet) skips that row only.
+            Err(CompareError::Gateway { strategy, reason }) => {
+                eprintln!("   skipped: {reason}");
+                skipped.push((strategy, reason));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         eprintln!(
             "   hit rate {:.1}%, e2e p50 {:.0} ms, {:.1} req/s, errors {}{}",
             r.hit_rate * 100.0,
@@ -417,7 +432,10 @@ pub async fn compare(
         );
         reports.push(r);
     }
-    let md = render(workload, sim, driver, &reports, bound, n_requests);
+    let mut md = render(workload, sim, driver, &reports, bound, n_requests);
+    for (strategy, reason) in &skipped {
+        let _ = writeln!(md, "\nNot run: `{strategy}` ({reason}).");
+    }
     let out = args.out.clone().unwrap_or_else(|| {
         PathBuf::from(format!("loadtest/reports/{}.md", workload.workload.name()))
     });
@@ -468,7 +486,11 @@ pub fn render(
     let _ = writeln!(s, "- Fleet: {}.", describe_fleet(sim));
     let _ = writeln!(s, "- Load: {}.", driver.describe());
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let _ = writeln!(s, "- Command: `rolter-load {}`\n", args.join(" "));
+    let _ = writeln!(
+        s,
+        "- Regenerate: `loadtest/run.sh` (this table: `rolter-load {}`).\n",
+        args.join(" ")
+    );
     s.push_str(&markdown_table(reports, Some(bound)));
     s.push_str(
         "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ `vllm:prefix_cache_queries_total` \

@@ -153,8 +153,9 @@ pub fn markdown_table(reports: &[StrategyReport], bound: Option<HitCount>) -> St
     if let Some(b) = bound {
         let _ = writeln!(
             s,
-            "| *upper bound: one replica, unbounded cache* | {} | 100% | | | | | | |",
-            pct(b.rate())
+            "| *upper bound: one replica, unbounded cache* | {} | {} | | | | | | |",
+            pct(b.rate()),
+            if b.rate() > 0.0 { "100%" } else { "–" }
         );
     }
     s
