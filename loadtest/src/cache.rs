@@ -498,4 +498,99 @@ mod tests {
         assert_eq!(c.len(), 2);
         c.release(adm2.lease);
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::HashMap;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            /// Admit a prompt built from `len` tokens of a small alphabet (so prefixes repeat).
+            Admit(Vec<u32>),
+            /// Extend the oldest open lease with `n` more tokens, then release it.
+            Finish(usize),
+            Clear,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => proptest::collection::vec(0u32..3, 0..40).prop_map(Op::Admit),
+                3 => (0usize..20).prop_map(Op::Finish),
+                1 => Just(Op::Clear),
+            ]
+        }
+
+        /// Apply events to a map the way a KV-event consumer would.
+        fn apply(state: &mut HashMap<BlockHash, Vec<u32>>, events: &[CacheEvent]) {
+            for e in events {
+                match e {
+                    CacheEvent::Stored {
+                        block_hashes,
+                        parent_block_hash,
+                        token_ids,
+                        block_size,
+                    } => {
+                        if let Some(p) = parent_block_hash {
+                            assert!(state.contains_key(p), "a store's parent is cached");
+                        }
+                        assert_eq!(token_ids.len(), block_hashes.len() * block_size);
+                        for (h, chunk) in block_hashes.iter().zip(token_ids.chunks(*block_size)) {
+                            assert!(state.insert(*h, chunk.to_vec()).is_none(), "stored twice");
+                        }
+                    }
+                    CacheEvent::Removed { block_hashes } => {
+                        for h in block_hashes {
+                            assert!(state.remove(h).is_some(), "removed an unknown block");
+                        }
+                    }
+                    CacheEvent::AllCleared => state.clear(),
+                }
+            }
+        }
+
+        proptest! {
+            /// Capacity is never exceeded, pinned blocks are never evicted, and the event
+            /// stream always describes the cache exactly.
+            #[test]
+            fn events_mirror_the_cache(ops in proptest::collection::vec(op(), 1..60),
+                                       capacity in 0usize..12) {
+                let mut c = PrefixCache::new(4, capacity, 9);
+                let mut state = HashMap::new();
+                let mut open: Vec<(Lease, Vec<u32>)> = Vec::new();
+                for op in ops {
+                    match op {
+                        Op::Admit(tokens) => {
+                            let adm = c.admit(&tokens);
+                            prop_assert!(adm.hit_tokens % 4 == 0);
+                            prop_assert!(adm.hit_tokens < tokens.len().max(1));
+                            apply(&mut state, &adm.events);
+                            open.push((adm.lease, tokens));
+                        }
+                        Op::Finish(n) => {
+                            if !open.is_empty() {
+                                let (mut lease, mut tokens) = open.remove(0);
+                                tokens.extend((0..n as u32).map(|i| i % 3));
+                                let ev = c.extend(&mut lease, &tokens);
+                                apply(&mut state, &ev);
+                                c.release(lease);
+                            }
+                        }
+                        Op::Clear => apply(&mut state, &c.clear()),
+                    }
+                    prop_assert!(c.len() <= capacity);
+                    for (lease, _) in &open {
+                        if lease.epoch == c.epoch {
+                            for h in &lease.held {
+                                prop_assert!(c.contains(*h), "a pinned block was evicted");
+                            }
+                        }
+                    }
+                    let snap: HashMap<BlockHash, Vec<u32>> =
+                        c.snapshot().into_iter().map(|b| (b.hash, b.tokens)).collect();
+                    prop_assert_eq!(&snap, &state);
+                }
+            }
+        }
+    }
 }
