@@ -562,7 +562,7 @@ mod tests {
                     match op {
                         Op::Admit(tokens) => {
                             let adm = c.admit(&tokens);
-                            prop_assert!(adm.hit_tokens % 4 == 0);
+                            prop_assert!(adm.hit_tokens.is_multiple_of(4));
                             prop_assert!(adm.hit_tokens < tokens.len().max(1));
                             apply(&mut state, &adm.events);
                             open.push((adm.lease, tokens));
