@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 /// Upper bound on output length, whatever the request asks.
 pub const MAX_OUTPUT_TOKENS: usize = 4096;
 /// How many recent requests a replica remembers for tests.
-pub const RECENT_REQUESTS: usize = 1024;
+pub const RECENT_REQUESTS: usize = 256;
 /// The served model name when none is configured.
 pub const DEFAULT_MODEL: &str = "sim-model";
 
