@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Regenerate the routing comparison tables in loadtest/reports/.
+#
+# Builds the gateway and the load driver (release), then for each workload runs every strategy
+# through the gateway against a fresh in-process simulated fleet (ephemeral loopback ports) and
+# writes loadtest/reports/<name>.md (+ .json). A strategy the gateway rejects is listed as
+# "Not run" instead of failing the whole comparison.
+#
+#   loadtest/run.sh                      # all workloads, all strategies
+#   STRATEGIES=round_robin,cache_aware loadtest/run.sh
+#   WORKLOADS="multi-turn" loadtest/run.sh
+#
+# The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
+# about as much as 20 decode steps (2 ms/token), each replica runs at most 4 requests at once,
+# and caches hold 512 blocks (8,192 tokens) — enough for a replica's share of sessions when
+# related requests stay together, not when they are scattered. The "-pressure" run shrinks the
+# caches to 192 blocks so that evictions are frequent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STRATEGIES="${STRATEGIES:-round_robin,least_load,cache_aware,pipeline,precise_cache_aware,lmcache_aware}"
+WORKLOADS="${WORKLOADS:-multi-turn multi-turn-pressure few-shot unique}"
+TARGET="${CARGO_TARGET_DIR:-target}"
+
+cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-load
+
+FLEET=(--replicas 4 --max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
+COMMON=(--gateway "$TARGET/release/rolter" --strategies "$STRATEGIES" --clients 16 --max-duration-secs 120)
+
+for w in $WORKLOADS; do
+  case "$w" in
+    multi-turn)
+      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 512) ;;
+    multi-turn-pressure)
+      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 192) ;;
+    few-shot)
+      args=(--workload few-shot --requests 400 --prefixes 8 --prefix-tokens 1500 --cache-blocks 512) ;;
+    unique)
+      args=(--workload unique --requests 400 --user-tokens 500 --cache-blocks 512) ;;
+    *)
+      echo "unknown workload $w" >&2; exit 2 ;;
+  esac
+  echo "### $w" >&2
+  "$TARGET/release/rolter-load" compare "${args[@]}" "${FLEET[@]}" "${COMMON[@]}" \
+    --out "loadtest/reports/$w.md" > /dev/null
+done
+echo "reports in loadtest/reports/" >&2

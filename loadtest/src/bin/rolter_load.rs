@@ -1,0 +1,168 @@
+//! `rolter-load`: the load driver.
+//!
+//! - `run`: send a workload to a gateway (`--target`) or straight to replicas (`--direct`),
+//!   report hit rate (from `--replica-urls` metrics), latencies, throughput and load spread.
+//! - `compare`: start a simulated fleet and the gateway once per strategy, write the table to
+//!   loadtest/reports/.
+//! - `upper-bound`: the workload's best possible hit rate (one replica, unbounded cache).
+
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use rolter_loadtest::load::compare::{compare, describe_workload, CompareArgs, DriverArgs};
+use rolter_loadtest::load::report::{markdown_table, summarize};
+use rolter_loadtest::load::runner::{run, Dispatch};
+use rolter_loadtest::load::scrape::scrape_all;
+use rolter_loadtest::load::upper_bound::upper_bound;
+use rolter_loadtest::load::workload::{generate, request_count, WorkloadSpec};
+use rolter_loadtest::sim_args::SimArgs;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "rolter-load",
+    about = "Load driver and strategy comparison for rolter",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DirectPolicy {
+    RoundRobin,
+    SessionHash,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Send one workload and report.
+    Run {
+        #[command(flatten)]
+        workload: WorkloadSpec,
+        #[command(flatten)]
+        driver: DriverArgs,
+        /// Gateway base URL (e.g. http://127.0.0.1:8080).
+        #[arg(long, conflicts_with = "direct")]
+        target: Option<String>,
+        /// Replica base URLs to send to directly, comma-separated (no gateway).
+        #[arg(long, value_delimiter = ',')]
+        direct: Vec<String>,
+        /// How --direct picks a replica.
+        #[arg(long, value_enum, default_value_t = DirectPolicy::RoundRobin)]
+        direct_policy: DirectPolicy,
+        /// Replica base URLs whose /metrics give the hit rate and load spread (default: --direct).
+        #[arg(long, value_delimiter = ',')]
+        replica_urls: Vec<String>,
+        /// Label of the row in the report.
+        #[arg(long, default_value = "run")]
+        label: String,
+        /// Block size for the upper bound.
+        #[arg(long, default_value_t = 16)]
+        block_size: usize,
+    },
+    /// Compare strategies through the gateway on a simulated fleet.
+    Compare {
+        #[command(flatten)]
+        workload: WorkloadSpec,
+        #[command(flatten)]
+        driver: DriverArgs,
+        #[command(flatten)]
+        sim: Box<SimArgs>,
+        #[command(flatten)]
+        compare: CompareArgs,
+    },
+    /// Print the workload's upper-bound hit rate.
+    UpperBound {
+        #[command(flatten)]
+        workload: WorkloadSpec,
+        #[arg(long, default_value_t = 16)]
+        block_size: usize,
+    },
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    match Cli::parse().cmd {
+        Cmd::Run {
+            workload,
+            driver,
+            target,
+            direct,
+            direct_policy,
+            replica_urls,
+            label,
+            block_size,
+        } => {
+            let dispatch = match (target, direct.is_empty()) {
+                (Some(t), _) => Dispatch::Single(t),
+                (None, false) => match direct_policy {
+                    DirectPolicy::RoundRobin => Dispatch::RoundRobin(direct.clone()),
+                    DirectPolicy::SessionHash => Dispatch::SessionHash(direct.clone()),
+                },
+                (None, true) => {
+                    eprintln!("rolter-load run: give --target URL or --direct URL,URL,...");
+                    return std::process::ExitCode::FAILURE;
+                }
+            };
+            let metrics_urls = if replica_urls.is_empty() {
+                direct
+            } else {
+                replica_urls
+            };
+            let sessions = Arc::new(generate(&workload));
+            let n = request_count(&sessions);
+            let bound = upper_bound(&sessions, block_size);
+            let client = reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("http client");
+            let before = scrape_all(&client, &metrics_urls).await;
+            let outcome = run(sessions, dispatch, driver.run_options(workload.seed)).await;
+            let after = scrape_all(&client, &metrics_urls).await;
+            let (before, after) = match (before, after) {
+                (Ok(b), Ok(a)) => (b, a),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!(
+                        "warning: replica metrics unavailable ({e}); hit rate and spread omitted"
+                    );
+                    (Vec::new(), Vec::new())
+                }
+            };
+            let report = summarize(&label, &outcome, &before, &after);
+            println!("{}\n", describe_workload(&workload, n));
+            println!("{}", markdown_table(&[report], Some(bound)));
+            std::process::ExitCode::SUCCESS
+        }
+        Cmd::Compare {
+            workload,
+            driver,
+            sim,
+            compare: args,
+        } => match compare(&workload, &sim, &driver, &args).await {
+            Ok(md) => {
+                println!("{md}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rolter-load compare: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Cmd::UpperBound {
+            workload,
+            block_size,
+        } => {
+            let sessions = generate(&workload);
+            let b = upper_bound(&sessions, block_size);
+            println!(
+                "{}\nupper bound hit rate: {:.2}% ({} of {} prompt tokens)",
+                describe_workload(&workload, request_count(&sessions)),
+                b.rate() * 100.0,
+                b.hits,
+                b.queries
+            );
+            std::process::ExitCode::SUCCESS
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! The load driver: seeded workloads, the runner, counter scraping, reports, the comparison.
+//!
+//! `workload` says what to send, `runner` sends it, `scrape` reads the replicas' counters,
+//! `report` turns a run into numbers and markdown, `upper_bound` computes the best possible hit
+//! rate of a workload, and `compare` runs every strategy through the gateway.
+
+pub mod compare;
+pub mod report;
+pub mod runner;
+pub mod scrape;
+pub mod upper_bound;
+pub mod workload;

@@ -1,0 +1,281 @@
+//! Sending a workload: closed-loop clients or open-loop Poisson arrivals, streaming requests,
+//! per-request timings.
+//!
+//! Owns the client side of one run: which URL each request goes to ([`Dispatch`]), when it is
+//! sent ([`Mode`]), the request shape (streaming chat completions with `x-session-id` and
+//! `x-rolter-vllm-token-ids`), and measuring TTFT (first content chunk) and end-to-end latency
+//! (through `data: [DONE]`). A session's turns are always sequential: turn t+1 is sent after
+//! turn t's reply arrived, with that reply in its history (falling back to the reply every
+//! replica would generate if the request failed). Every run is bounded by a deadline.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::load::workload::Session;
+use crate::tokenizer;
+
+/// When requests are sent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// `clients` concurrent clients, each running whole sessions back to back.
+    Closed { clients: usize },
+    /// Sessions start at Poisson arrivals so that requests arrive at about `rate` per second
+    /// (session rate = rate / mean turns per session).
+    Open { rate: f64 },
+}
+
+/// Where requests go.
+#[derive(Debug, Clone)]
+pub enum Dispatch {
+    /// Everything to one base URL (the gateway).
+    Single(String),
+    /// Client-side round robin over replica base URLs (a baseline without the gateway).
+    RoundRobin(Vec<String>),
+    /// Client-side session stickiness: session i always goes to replica hash(i) mod N.
+    SessionHash(Vec<String>),
+}
+
+impl Dispatch {
+    fn url(&self, session: usize, counter: &AtomicUsize) -> &str {
+        match self {
+            Dispatch::Single(u) => u,
+            Dispatch::RoundRobin(us) => &us[counter.fetch_add(1, Ordering::Relaxed) % us.len()],
+            Dispatch::SessionHash(us) => {
+                &us[(tokenizer::splitmix64(session as u64) % us.len() as u64) as usize]
+            }
+        }
+    }
+}
+
+/// How a run behaves.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub mode: Mode,
+    /// `model` sent in each request (the gateway's route alias).
+    pub model: String,
+    pub send_session_id: bool,
+    pub send_token_ids: bool,
+    pub request_timeout: Duration,
+    /// No new request starts after this much time.
+    pub max_duration: Duration,
+    /// Seed of the open-loop arrival process.
+    pub seed: u64,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Closed { clients: 16 },
+            model: "sim".into(),
+            send_session_id: true,
+            send_token_ids: true,
+            request_timeout: Duration::from_secs(60),
+            max_duration: Duration::from_secs(240),
+            seed: 1,
+        }
+    }
+}
+
+/// One request's result.
+#[derive(Debug, Clone)]
+pub struct RequestOutcome {
+    pub session: usize,
+    pub turn: usize,
+    pub ok: bool,
+    pub error: Option<String>,
+    /// Time to the first content chunk.
+    pub ttft: Option<Duration>,
+    /// Time to the end of the response.
+    pub e2e: Duration,
+    pub prompt_tokens: usize,
+}
+
+/// All results of a run.
+#[derive(Debug, Clone, Default)]
+pub struct RunOutcome {
+    pub requests: Vec<RequestOutcome>,
+    pub wall: Duration,
+}
+
+struct Shared {
+    client: reqwest::Client,
+    sessions: Arc<Vec<Session>>,
+    dispatch: Dispatch,
+    opts: RunOptions,
+    rr: AtomicUsize,
+    deadline: Instant,
+    out: Mutex<Vec<RequestOutcome>>,
+}
+
+/// Run `sessions` against `dispatch`.
+pub async fn run(sessions: Arc<Vec<Session>>, dispatch: Dispatch, opts: RunOptions) -> RunOutcome {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(opts.request_timeout)
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("building the HTTP client");
+    let start = Instant::now();
+    let shared = Arc::new(Shared {
+        client,
+        sessions,
+        dispatch,
+        deadline: start + opts.max_duration,
+        opts,
+        rr: AtomicUsize::new(0),
+        out: Mutex::new(Vec::new()),
+    });
+    let n = shared.sessions.len();
+    let mut tasks = Vec::new();
+    match shared.opts.mode {
+        Mode::Closed { clients } => {
+            let next = Arc::new(AtomicUsize::new(0));
+            for _ in 0..clients.max(1).min(n.max(1)) {
+                let (shared, next) = (shared.clone(), next.clone());
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= n || Instant::now() >= shared.deadline {
+                            break;
+                        }
+                        run_session(&shared, i).await;
+                    }
+                }));
+            }
+        }
+        Mode::Open { rate } => {
+            let turns: usize = shared.sessions.iter().map(|s| s.user_turns.len()).sum();
+            let mean_turns = turns as f64 / n.max(1) as f64;
+            let session_rate = (rate / mean_turns.max(1.0)).max(1e-6);
+            let mut rng = StdRng::seed_from_u64(shared.opts.seed);
+            let mut at = start;
+            for i in 0..n {
+                let u: f64 = rng.gen_range(f64::EPSILON..1.0);
+                at += Duration::from_secs_f64(-u.ln() / session_rate);
+                if at >= shared.deadline {
+                    break;
+                }
+                let shared = shared.clone();
+                tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(at).await;
+                    run_session(&shared, i).await;
+                }));
+            }
+        }
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let wall = start.elapsed();
+    let requests = std::mem::take(&mut *shared.out.lock());
+    RunOutcome { requests, wall }
+}
+
+async fn run_session(shared: &Shared, i: usize) {
+    let session = &shared.sessions[i];
+    let mut replies = Vec::with_capacity(session.user_turns.len());
+    for t in 0..session.user_turns.len() {
+        if Instant::now() >= shared.deadline {
+            return;
+        }
+        let messages = session.messages(t, &replies);
+        let tokens = tokenizer::chat_tokens(&messages);
+        let url = format!(
+            "{}/v1/chat/completions",
+            shared.dispatch.url(i, &shared.rr).trim_end_matches('/')
+        );
+        let body = json!({
+            "model": shared.opts.model,
+            "messages": messages.iter()
+                .map(|m| json!({"role": m.role, "content": m.content}))
+                .collect::<Vec<_>>(),
+            "max_tokens": session.max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let mut req = shared.client.post(&url).json(&body);
+        if shared.opts.send_session_id {
+            req = req.header("x-session-id", &session.id);
+        }
+        if shared.opts.send_token_ids {
+            req = req.header(
+                "x-rolter-vllm-token-ids",
+                tokenizer::token_header_value(&tokens),
+            );
+        }
+        let started = Instant::now();
+        let result = send_streaming(req, started).await;
+        let e2e = started.elapsed();
+        let (ok, error, ttft, text) = match result {
+            Ok((ttft, text)) => (true, None, ttft, Some(text)),
+            Err(e) => (false, Some(e), None, None),
+        };
+        let text = text.unwrap_or_else(|| tokenizer::reply(&tokens, session.max_tokens).0);
+        replies.push(text);
+        shared.out.lock().push(RequestOutcome {
+            session: i,
+            turn: t,
+            ok,
+            error,
+            ttft,
+            e2e,
+            prompt_tokens: tokens.len(),
+        });
+    }
+}
+
+/// Send a streaming request; returns the TTFT and the reply text.
+async fn send_streaming(
+    req: reqwest::RequestBuilder,
+    started: Instant,
+) -> Result<(Option<Duration>, String), String> {
+    let resp = req.send().await.map_err(|e| format!("send: {e}"))?;
+    let status = resp.status();
+    if !status.is_success() {
+        return Err(format!("HTTP {}", status.as_u16()));
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut text = String::new();
+    let mut ttft = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| format!("body: {e}"))?;
+        buf.extend_from_slice(&chunk);
+        while let Some(pos) = find(&buf, b"\n\n") {
+            let event: Vec<u8> = buf.drain(..pos + 2).collect();
+            for line in String::from_utf8_lossy(&event).lines() {
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    return Ok((ttft, text));
+                }
+                let v: Value =
+                    serde_json::from_str(data).map_err(|e| format!("bad SSE chunk: {e}"))?;
+                let piece = v
+                    .pointer("/choices/0/delta/content")
+                    .or_else(|| v.pointer("/choices/0/text"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                if !piece.is_empty() {
+                    ttft.get_or_insert_with(|| started.elapsed());
+                    text.push_str(piece);
+                }
+            }
+        }
+    }
+    Err("stream ended before [DONE]".into())
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}

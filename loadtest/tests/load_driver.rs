@@ -1,0 +1,239 @@
+//! The load driver against an in-process fleet: closed and open loop, headers, counters,
+//! the routing file `compare` writes, and `compare` itself with the gateway-less strategies.
+//! Loopback only, port 0, small workloads, bounded by the runner's deadline.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rolter_loadtest::load::compare::{routes_toml, run_strategy, CompareArgs, DriverArgs};
+use rolter_loadtest::load::report::summarize;
+use rolter_loadtest::load::runner::{run, Dispatch, Mode, RunOptions};
+use rolter_loadtest::load::scrape::scrape_all;
+use rolter_loadtest::load::upper_bound::upper_bound;
+use rolter_loadtest::load::workload::{generate, WorkloadKind, WorkloadSpec};
+use rolter_loadtest::sim_args::SimArgs;
+use rolter_loadtest::{spawn_fleet, FleetConfig};
+
+fn small_multi_turn() -> WorkloadSpec {
+    WorkloadSpec {
+        sessions: 6,
+        turns: 3,
+        prefixes: 2,
+        prefix_tokens: 200,
+        user_tokens: 10,
+        max_tokens: 4,
+        ..WorkloadSpec::default()
+    }
+}
+
+fn opts(mode: Mode) -> RunOptions {
+    RunOptions {
+        mode,
+        request_timeout: Duration::from_secs(10),
+        max_duration: Duration::from_secs(20),
+        ..RunOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn closed_loop_round_robin_counts_add_up() {
+    let fleet = spawn_fleet(FleetConfig {
+        replicas: 3,
+        ..FleetConfig::default()
+    })
+    .await
+    .unwrap();
+    let urls = fleet.base_urls();
+    let sessions = Arc::new(generate(&small_multi_turn()));
+    let client = reqwest::Client::new();
+    let before = scrape_all(&client, &urls).await.unwrap();
+    let out = run(
+        sessions.clone(),
+        Dispatch::RoundRobin(urls.clone()),
+        opts(Mode::Closed { clients: 3 }),
+    )
+    .await;
+    let after = scrape_all(&client, &urls).await.unwrap();
+    assert_eq!(out.requests.len(), 18);
+    assert!(
+        out.requests.iter().all(|r| r.ok),
+        "{:?}",
+        out.requests[0].error
+    );
+    assert!(out.requests.iter().all(|r| r.ttft.unwrap() <= r.e2e));
+    let report = summarize("rr", &out, &before, &after);
+    assert_eq!(report.errors, 0);
+    assert_eq!(report.shares, vec![1.0 / 3.0; 3]);
+    assert!((report.max_over_mean - 1.0).abs() < 1e-9);
+    let stats = fleet.stats();
+    let q: u64 = stats.iter().map(|s| s.prefix_cache_queries).sum();
+    let h: u64 = stats.iter().map(|s| s.prefix_cache_hits).sum();
+    assert!((report.hit_rate - h as f64 / q as f64).abs() < 1e-9);
+    // Never above one replica with an unbounded cache.
+    assert!(report.hit_rate <= upper_bound(&sessions, 16).rate() + 1e-9);
+
+    // The driver sent both headers, and the token ids are the replica's own prompt tokens.
+    let rec = &fleet.replica(0).recent_requests()[0];
+    let ids = rec.token_ids_header.as_ref().unwrap();
+    assert_eq!(ids.split(',').count(), rec.prompt_tokens);
+    assert!(rec.session_id.as_ref().unwrap().starts_with('s'));
+    assert_eq!(rec.model.as_deref(), Some("sim"));
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_session_on_one_replica_reaches_the_upper_bound() {
+    let fleet = spawn_fleet(FleetConfig {
+        replicas: 2,
+        ..FleetConfig::default()
+    })
+    .await
+    .unwrap();
+    let urls = fleet.base_urls();
+    let spec = WorkloadSpec {
+        sessions: 1,
+        turns: 4,
+        ..small_multi_turn()
+    };
+    let sessions = Arc::new(generate(&spec));
+    run(
+        sessions.clone(),
+        Dispatch::SessionHash(urls.clone()),
+        opts(Mode::Closed { clients: 1 }),
+    )
+    .await;
+    // One session on one replica with ample cache: exactly the upper bound.
+    let stats = fleet.stats();
+    let q: u64 = stats.iter().map(|s| s.prefix_cache_queries).sum();
+    let h: u64 = stats.iter().map(|s| s.prefix_cache_hits).sum();
+    assert_eq!(upper_bound(&sessions, 16).hits, h);
+    assert_eq!(upper_bound(&sessions, 16).queries, q);
+    // Turn 2's prompt is turn 1's prompt + reply + more: its history hits.
+    let served = stats.iter().filter(|s| s.requests > 0).count();
+    assert_eq!(served, 1);
+    let recs: Vec<_> = fleet
+        .replicas()
+        .iter()
+        .flat_map(|r| r.recent_requests())
+        .collect();
+    let t = &recs[1];
+    assert!(t.cached_tokens > 200, "{t:?}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn open_loop_poisson_sends_everything_once() {
+    let fleet = spawn_fleet(FleetConfig::default()).await.unwrap();
+    let spec = WorkloadSpec {
+        workload: WorkloadKind::FewShot,
+        requests: 20,
+        prefix_tokens: 100,
+        ..small_multi_turn()
+    };
+    let sessions = Arc::new(generate(&spec));
+    let t0 = std::time::Instant::now();
+    let out = run(
+        sessions,
+        Dispatch::Single(fleet.replica(0).base_url()),
+        opts(Mode::Open { rate: 200.0 }),
+    )
+    .await;
+    assert_eq!(out.requests.len(), 20);
+    assert!(out.requests.iter().all(|r| r.ok));
+    // 20 arrivals at 200/s take about 100 ms; bounded well below the deadline.
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(fleet.replica(0).stats().requests, 20);
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn errors_are_counted_not_fatal() {
+    let out = run(
+        Arc::new(generate(&WorkloadSpec {
+            sessions: 2,
+            turns: 2,
+            ..small_multi_turn()
+        })),
+        // Nothing listens on port 9 of loopback (discard service is not run here).
+        Dispatch::Single("http://127.0.0.1:9".into()),
+        opts(Mode::Closed { clients: 2 }),
+    )
+    .await;
+    assert_eq!(out.requests.len(), 4);
+    assert!(out.requests.iter().all(|r| !r.ok && r.error.is_some()));
+}
+
+#[tokio::test]
+async fn routing_file_and_direct_compare() {
+    let fleet = spawn_fleet(FleetConfig::default()).await.unwrap();
+    for strategy in ["round_robin", "precise_cache_aware", "lmcache_aware"] {
+        let text = routes_toml(&fleet, strategy, "sim", "sim-model");
+        let v: toml::Value = toml::from_str(&text).unwrap();
+        let providers = v["providers"].as_array().unwrap();
+        assert_eq!(providers.len(), 2);
+        assert_eq!(providers[0]["kind"].as_str(), Some("openai_compatible"));
+        assert_eq!(
+            providers[1]["api_base"].as_str(),
+            Some(fleet.replica(1).base_url().as_str())
+        );
+        assert_eq!(
+            providers[0].get("kv_events").is_some(),
+            strategy == "precise_cache_aware"
+        );
+        assert_eq!(
+            providers[0].get("lmcache").is_some(),
+            strategy == "lmcache_aware"
+        );
+        if strategy == "precise_cache_aware" {
+            let kv = &providers[0]["kv_events"];
+            assert_eq!(
+                kv["endpoint"].as_str(),
+                fleet.replica(0).kv_events_endpoint().as_deref()
+            );
+            assert!(kv["replay_endpoint"]
+                .as_str()
+                .unwrap()
+                .starts_with("tcp://"));
+        }
+        let route = &v["routes"][0];
+        assert_eq!(route["model"].as_str(), Some("sim"));
+        assert_eq!(route["strategy"].as_str(), Some(strategy));
+        assert_eq!(route["targets"].as_array().unwrap().len(), 2);
+        assert_eq!(route["targets"][1]["provider"].as_str(), Some("sim-1"));
+    }
+    fleet.shutdown().await;
+
+    // compare's per-strategy step, without a gateway.
+    use clap::Parser;
+    #[derive(Parser)]
+    struct A {
+        #[command(flatten)]
+        sim: SimArgs,
+        #[command(flatten)]
+        driver: DriverArgs,
+        #[command(flatten)]
+        compare: CompareArgs,
+    }
+    let a = A::parse_from(["x", "--replicas", "2", "--clients", "4"]);
+    let sessions = Arc::new(generate(&small_multi_turn()));
+    let dir = std::env::temp_dir();
+    let rr = run_strategy(
+        "direct_round_robin",
+        sessions.clone(),
+        &a.sim,
+        &a.driver,
+        &a.compare,
+        1,
+        &dir,
+    )
+    .await
+    .unwrap();
+    assert_eq!((rr.requests, rr.errors), (18, 0));
+    // A missing gateway binary is an error naming the strategy, not a hang.
+    let mut bad = a.compare.clone();
+    bad.gateway = "/nonexistent/rolter".into();
+    let err = run_strategy("round_robin", sessions, &a.sim, &a.driver, &bad, 1, &dir)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("round_robin"), "{err}");
+}
