@@ -102,7 +102,10 @@ impl Gateway {
             .arg(&routes_path)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
