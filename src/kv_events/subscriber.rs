@@ -8,12 +8,15 @@
 //! with the router, and drives [`KvEventSubscriber::run`] (e.g. from a pingora
 //! `BackgroundService`, passing its shutdown watch as the `shutdown` future).
 //!
-//! Notes on the `zeromq` crate (0.4.1, pure Rust), which shape this module:
-//! - A SUB socket does not reconnect after its peer goes away and reports nothing:
-//!   `recv` just pends. So a dead connection is found by the staleness rule (requests
-//!   routed, no batch followed) or, with a replay endpoint, by a periodic probe (a
-//!   replay from the last applied batch, which also repairs missed batches and
-//!   detects a restarted publisher). Either way the socket is recreated.
+//! Notes on the `zeromq` crate (0.7, pure Rust; the same version the simulator's
+//! publisher uses), which shape this module:
+//! - A SUB socket re-dials a peer that went away (0.4 did not), but reports nothing
+//!   while it is gone: `recv` just pends, and batches published before the re-dial
+//!   completes are lost (seen as a gap or a restart). A dead or wedged connection is
+//!   still found by the staleness rule (requests routed, no batch followed) or, with a
+//!   replay endpoint, by a periodic probe (a replay from the last applied batch, which
+//!   also repairs missed batches and detects a restarted publisher); either way the
+//!   socket is recreated.
 //! - `connect` retries refused connections forever: it is bounded by a timeout.
 //! - Some unexpected conditions hit `todo!()` inside the crate (a DEALER whose peer
 //!   disconnects mid-reply, an unknown ZMTP command). Socket reads therefore run in
