@@ -67,6 +67,7 @@ struct Shared {
     behaviour: Mutex<Behaviour>,
     active: AtomicUsize,
     served: AtomicU64,
+    recording: std::sync::atomic::AtomicBool,
 }
 
 /// A running stub server.
@@ -91,12 +92,19 @@ impl Stub {
     /// [`Stub::stop`] really kills it: the listener *and* every open connection close,
     /// like a replica process dying.
     pub async fn start_on(id: &str, addr: SocketAddr) -> std::io::Result<Stub> {
+        Self::start_with(id, addr, 1)
+    }
+
+    /// [`Stub::start_on`] with `threads` runtime worker threads (benchmarks want more
+    /// than one so the stub is not the bottleneck).
+    pub fn start_with(id: &str, addr: SocketAddr, threads: usize) -> std::io::Result<Stub> {
         let shared = Arc::new(Shared {
             id: id.to_string(),
             recorded: Mutex::new(Vec::new()),
             behaviour: Mutex::new(Behaviour::default()),
             active: AtomicUsize::new(0),
             served: AtomicU64::new(0),
+            recording: std::sync::atomic::AtomicBool::new(true),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(complete))
@@ -110,10 +118,17 @@ impl Stub {
         let thread = std::thread::Builder::new()
             .name(format!("stub-{id}"))
             .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("stub runtime");
+                let rt = if threads <= 1 {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                } else {
+                    tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(threads)
+                        .enable_all()
+                        .build()
+                }
+                .expect("stub runtime");
                 rt.block_on(async move {
                     let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                         return;
@@ -156,6 +171,11 @@ impl Stub {
     /// Requests answered (or started) in total.
     pub fn served(&self) -> u64 {
         self.shared.served.load(Ordering::Relaxed)
+    }
+
+    /// Stop (or resume) recording requests; benchmarks turn it off.
+    pub fn set_recording(&self, on: bool) {
+        self.shared.recording.store(on, Ordering::Relaxed);
     }
 
     /// Change how the stub answers from now on.
@@ -201,7 +221,7 @@ async fn complete(
     shared.served.fetch_add(1, Ordering::Relaxed);
     shared.active.fetch_add(1, Ordering::Relaxed);
     let guard = ActiveGuard(shared.clone());
-    {
+    if shared.recording.load(Ordering::Relaxed) {
         let mut rec = shared.recorded.lock();
         if rec.len() < MAX_RECORDED {
             rec.push(Recorded {

@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# Proxy overhead, side by side in one run on this machine (issue 10):
+#   (a) client -> upstream directly
+#   (b) client -> nginx (Debian's package, proxy_pass with upstream keepalive) -> upstream
+#   (c) client -> rolter round_robin -> upstream
+#   (d) client -> rolter cache_aware -> upstream
+# for 4 KiB and 32 KiB chat bodies at 64 connections, with the same load generator (wrk)
+# and the same fast upstream (rolter-stub). Reports requests/s, p50/p99 latency, CPU
+# seconds per 10k requests of the proxy process(es), upstream connection reuse, and the
+# ratios c/b and d/b, into loadtest/reports/overhead.md. Then drives 1M requests of
+# distinct prompts through cache_aware over 8 targets and reports the gateway's RSS.
+#
+# Fairness: nginx gets worker_processes 1 and rolter threads: 1 (one core each), wrk
+# one thread; the upstream stub one thread. The machine has 2 cores, so all of them
+# compete; medians of REPEATS runs are reported, and every variant runs interleaved.
+#
+# Knobs: DURATION (s per run, default 8), REPEATS (default 3), CONNS (default 64),
+# RSS_REQUESTS (default 1000000; 0 skips the RSS step).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${DURATION:-8}
+REPEATS=${REPEATS:-3}
+CONNS=${CONNS:-64}
+RSS_REQUESTS=${RSS_REQUESTS:-1000000}
+OUT=loadtest/reports/overhead.md
+
+need=()
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
+if [ ${#need[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+scripts/setup.sh
+cargo build --release -q --bin rolter -p rolter
+cargo build --release -q --bin rolter-stub -p rolter-loadtest
+BIN=target/release
+
+WORK=$(mktemp -d /tmp/rolter-overhead.XXXXXX)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+STUB_PORT=18901; NGINX_PORT=18902; RR_PORT=18903; CA_PORT=18904; RSS_PORT=18905
+"$BIN/rolter-stub" --listen 127.0.0.1:$STUB_PORT --threads 1 >/dev/null & PIDS+=($!)
+
+cat > "$WORK/nginx.conf" <<NGINX
+worker_processes 1;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx-error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_buffer_size 64k;
+  client_max_body_size 4m;
+  client_body_temp_path $WORK/body;
+  proxy_temp_path $WORK/proxy;
+  upstream stub { server 127.0.0.1:$STUB_PORT; keepalive 128; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering on;
+    }
+  }
+}
+NGINX
+"$NGINX" -c "$WORK/nginx.conf" -p "$WORK"
+
+cat > "$WORK/pingora.yaml" <<YAML
+---
+version: 1
+threads: 1
+pid_file: $WORK/rolter.pid
+upgrade_sock: $WORK/upgrade.sock
+upstream_keepalive_pool_size: 256
+YAML
+routes() { # strategy, targets
+  local s="" i
+  for i in $(seq 0 $(($2 - 1))); do
+    s+="[[providers]]\nname = \"p$i\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:$STUB_PORT\"\n[providers.health]\nenabled = false\n\n"
+  done
+  s+="[[routes]]\nmodel = \"bench\"\nstrategy = \"$1\"\n"
+  for i in $(seq 0 $(($2 - 1))); do
+    s+="[[routes.targets]]\nprovider = \"p$i\"\nmodel = \"upstream-model\"\n"
+  done
+  printf "%b" "$s"
+}
+start_rolter() { # port, strategy, targets -> pid in ROLTER_PID
+  routes "$2" "$3" > "$WORK/routes-$1.toml"
+  RUST_LOG=info "$BIN/rolter" -c "$WORK/pingora.yaml" --routes "$WORK/routes-$1.toml" --listen 127.0.0.1:$1 \
+    2>"$WORK/rolter-$1.log" >/dev/null &
+  ROLTER_PID=$!; PIDS+=($ROLTER_PID)
+  for _ in $(seq 100); do curl -sf "127.0.0.1:$1/health" >/dev/null && return; sleep 0.1; done
+  echo "rolter on $1 did not start" >&2; exit 1
+}
+start_rolter $RR_PORT round_robin 2; RR_PID=$ROLTER_PID
+start_rolter $CA_PORT cache_aware 2; CA_PID=$ROLTER_PID
+NGINX_PIDS=$(pgrep -f "nginx.*$WORK" | tr '\n' ' ')
+
+# wrk script: bodies of SIZE bytes, 64 conversations sharing a system prompt.
+cat > "$WORK/post.lua" <<'LUA'
+local size = tonumber(os.getenv("BODY_BYTES"))
+local bodies = {}
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local system = string.rep("You are a careful assistant. ", math.floor(size / 2 / 29))
+for i = 1, 64 do
+  local user = string.rep("question " .. i .. " ", math.floor(size / 2 / (10 + #tostring(i))))
+  bodies[i] = '{"model":"bench","messages":[{"role":"system","content":"' .. system ..
+    '"},{"role":"user","content":"' .. user .. '"}]}'
+end
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, "/v1/chat/completions", nil, bodies[(n % 64) + 1])
+end
+LUA
+
+cpu_ticks() { # sum of utime+stime over pids
+  local t=0 p
+  for p in "$@"; do
+    [ -r "/proc/$p/stat" ] || continue
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+  done
+  echo $t
+}
+HZ=$(getconf CLK_TCK)
+declare -A RPS P50 P99 CPU
+run() { # label port size pids...
+  local label=$1 port=$2 size=$3; shift 3
+  local before after out rps p50 p99 reqs
+  before=$(cpu_ticks "$@")
+  out=$(BODY_BYTES=$size wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/post.lua" "http://127.0.0.1:$port" 2>&1)
+  after=$(cpu_ticks "$@")
+  rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  reqs=$(echo "$out" | awk '/requests in/ {print $1}')
+  p50=$(echo "$out" | awk '$1=="50%" {print $2}')
+  p99=$(echo "$out" | awk '$1=="99%" {print $2}')
+  if echo "$out" | grep -q "Non-2xx"; then echo "$label: non-2xx answers: $out" >&2; exit 1; fi
+  local cpu="-"
+  [ $# -gt 0 ] && cpu=$(awk -v d=$((after - before)) -v hz="$HZ" -v n="$reqs" 'BEGIN {printf "%.3f", d / hz / n * 10000}')
+  RPS["$label/$size"]+="$rps "; P50["$label/$size"]+="$p50 "; P99["$label/$size"]+="$p99 "; CPU["$label/$size"]+="$cpu "
+  echo "  $label size=$size: $rps req/s p50=$p50 p99=$p99 cpu/10k=$cpu" >&2
+}
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+to_ms() { # wrk latency like 1.23ms / 850.00us / 1.2s
+  awk '{v=$1; if (v ~ /us$/) {sub(/us$/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms$/,"",v)} else if (v ~ /s$/) {sub(/s$/,"",v); v*=1000}; printf "%.3f", v}'
+}
+
+SIZES="4096 32768"
+echo "warming up" >&2
+for port in $STUB_PORT $NGINX_PORT $RR_PORT $CA_PORT; do
+  BODY_BYTES=4096 wrk -t1 -c"$CONNS" -d2s -s "$WORK/post.lua" "http://127.0.0.1:$port" >/dev/null
+done
+for r in $(seq "$REPEATS"); do
+  echo "repeat $r/$REPEATS" >&2
+  for size in $SIZES; do
+    run direct $STUB_PORT "$size"
+    # shellcheck disable=SC2086
+    run nginx $NGINX_PORT "$size" $NGINX_PIDS
+    run rolter-rr $RR_PORT "$size" "$RR_PID"
+    run rolter-ca $CA_PORT "$size" "$CA_PID"
+  done
+done
+
+reuse() { # port -> "reused% (new/total)"
+  curl -s "127.0.0.1:$1/metrics" | awk '/^rolter_upstream_connections_total\{reused="true"\}/ {r=$2} /^rolter_upstream_connections_total\{reused="false"\}/ {f=$2} END {printf "%.3f%% (%d new of %d)", 100*r/(r+f), f, r+f}'
+}
+
+{
+  echo "# Proxy overhead: rolter vs nginx"
+  echo
+  echo "Generated by \`loadtest/overhead.sh\` on $(date -u +%Y-%m-%d) ($(nproc) cores, $(uname -m)); wrk -t1 -c$CONNS, ${DURATION}s per run, median of $REPEATS interleaved runs."
+  echo "Upstream: rolter-stub (1 thread, answers at once). nginx $("$NGINX" -v 2>&1 | sed 's/.*\///'): worker_processes 1, upstream keepalive. rolter: pingora threads 1, access log on (info)."
+  echo "CPU = user+system seconds of the proxy process(es) per 10k requests (from /proc/PID/stat)."
+  echo
+  for size in $SIZES; do
+    echo "## $((size / 1024)) KiB chat bodies"
+    echo
+    echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req |"
+    echo "|---|---:|---:|---:|---:|"
+    for label in direct nginx rolter-rr rolter-ca; do
+      k="$label/$size"
+      printf "| %s | %s | %s | %s | %s |\n" "$label" \
+        "$(echo "${RPS[$k]}" | median)" \
+        "$(for v in ${P50[$k]}; do echo "$v" | to_ms; echo; done | median)" \
+        "$(for v in ${P99[$k]}; do echo "$v" | to_ms; echo; done | median)" \
+        "$(echo "${CPU[$k]}" | median)"
+    done
+    n=$(echo "${RPS[nginx/$size]}" | median)
+    rr=$(echo "${RPS[rolter-rr/$size]}" | median)
+    ca=$(echo "${RPS[rolter-ca/$size]}" | median)
+    nc=$(echo "${CPU[nginx/$size]}" | median)
+    rc=$(echo "${CPU[rolter-rr/$size]}" | median)
+    cc=$(echo "${CPU[rolter-ca/$size]}" | median)
+    dp99=$(for v in ${P99[direct/$size]}; do echo "$v" | to_ms; echo; done | median)
+    cp99=$(for v in ${P99[rolter-ca/$size]}; do echo "$v" | to_ms; echo; done | median)
+    echo
+    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" 'BEGIN {
+      printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f\n", rr / n, ca / n;
+      printf "- CPU per request c/b = %.2f, d/b = %.2f\n", rc / nc, cc / nc;
+      printf "- p99 added over direct by cache_aware: %.3f ms\n", cp - dp }'
+    echo
+  done
+  echo "Upstream connection reuse (whole run): round_robin $(reuse $RR_PORT); cache_aware $(reuse $CA_PORT)."
+  echo
+} > "$OUT.tmp"
+
+if [ "$RSS_REQUESTS" -gt 0 ]; then
+  start_rolter $RSS_PORT cache_aware 8; RSS_PID=$ROLTER_PID
+  cat > "$WORK/unique.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local system = string.rep("You are a careful assistant. ", 40)
+local n = 0
+local thread_id = 0
+setup = function(thread) thread_id = thread_id + 1 end
+request = function()
+  n = n + 1
+  return wrk.format(nil, "/v1/chat/completions", nil,
+    '{"model":"bench","messages":[{"role":"system","content":"' .. system ..
+    '"},{"role":"user","content":"unique question number ' .. n .. ' ' .. math.random(1e9) .. '"}]}')
+end
+LUA
+  rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
+  echo "driving $RSS_REQUESTS distinct prompts through cache_aware x8 targets" >&2
+  r0=$(rss "$RSS_PID"); done_reqs=0; samples=""
+  while [ "$done_reqs" -lt "$RSS_REQUESTS" ]; do
+    out=$(wrk -t1 -c"$CONNS" -d10s -s "$WORK/unique.lua" "http://127.0.0.1:$RSS_PORT" 2>&1)
+    done_reqs=$((done_reqs + $(echo "$out" | awk '/requests in/ {print $1}')))
+    samples+="| $done_reqs | $(( $(rss "$RSS_PID") / 1024 )) |\n"
+  done
+  nodes=$(curl -s "127.0.0.1:$RSS_PORT/metrics" | awk '/^rolter_trie_nodes/ {s+=$2} END {print s}')
+  {
+    echo "## Gateway RSS under distinct prompts (cache_aware, 8 targets, default trie caps)"
+    echo
+    echo "RSS at start: $((r0 / 1024)) MiB. Trie nodes at the end (all targets): $nodes."
+    echo
+    echo "| requests | RSS MiB |"
+    echo "|---:|---:|"
+    printf "%b" "$samples"
+    echo
+  } >> "$OUT.tmp"
+fi
+mv "$OUT.tmp" "$OUT"
+cat "$OUT"
