@@ -86,47 +86,63 @@ fn pingora_yaml(dir: &std::path::Path) -> PathBuf {
 
 impl Gateway {
     /// Start the gateway with `routes` TOML and wait until it answers `/health`.
+    /// A port picked free can be taken by another process before the gateway binds it
+    /// (parallel test binaries); then the gateway exits and we retry on a new port.
     pub async fn start(routes: &str) -> Gateway {
-        let dir = TempDir::new("gw");
-        let routes_path = dir.0.join("routes.toml");
-        std::fs::File::create(&routes_path)
-            .unwrap()
-            .write_all(routes.as_bytes())
-            .unwrap();
-        let port = free_port();
-        let conf = pingora_yaml(&dir.0);
-        let child = Command::new(rolter_bin())
-            .arg("-c")
-            .arg(&conf)
-            .arg("--routes")
-            .arg(&routes_path)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .env(
-                "RUST_LOG",
-                std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn rolter");
-        let gw = Gateway {
-            child,
-            port,
-            routes: routes_path,
-            dir,
-        };
-        gw.wait_healthy().await;
-        gw
+        Self::start_with_args(routes, &[]).await
     }
 
-    async fn wait_healthy(&self) {
+    /// [`Gateway::start`] with extra command-line arguments.
+    pub async fn start_with_args(routes: &str, extra: &[&str]) -> Gateway {
+        for _ in 0..3 {
+            let dir = TempDir::new("gw");
+            let routes_path = dir.0.join("routes.toml");
+            std::fs::File::create(&routes_path)
+                .unwrap()
+                .write_all(routes.as_bytes())
+                .unwrap();
+            let port = free_port();
+            let conf = pingora_yaml(&dir.0);
+            let child = Command::new(rolter_bin())
+                .arg("-c")
+                .arg(&conf)
+                .arg("--routes")
+                .arg(&routes_path)
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{port}"))
+                .args(extra)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn rolter");
+            let mut gw = Gateway {
+                child,
+                port,
+                routes: routes_path,
+                dir,
+            };
+            if gw.wait_healthy().await {
+                return gw;
+            }
+        }
+        panic!("gateway did not start in 3 attempts");
+    }
+
+    /// Wait until *our* process answers `/health`; false if it exited first.
+    async fn wait_healthy(&mut self) -> bool {
         let deadline = Instant::now() + STARTUP_LIMIT;
         let client = reqwest::Client::new();
         while Instant::now() < deadline {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return false;
+            }
             if let Ok(r) = client.get(self.url("/health")).send().await {
-                if r.status().is_success() {
-                    return;
+                if r.status().is_success() && self.child.try_wait().ok().flatten().is_none() {
+                    return true;
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
