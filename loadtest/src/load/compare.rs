@@ -70,6 +70,10 @@ pub struct DriverArgs {
     /// Stop starting requests after this many seconds.
     #[arg(long, default_value_t = 240.0)]
     pub max_duration_secs: f64,
+    /// Mean think time between a reply and the session's next turn, milliseconds
+    /// (exponential; 0 = none).
+    #[arg(long, default_value_t = 0.0)]
+    pub think_time_ms: f64,
 }
 
 impl DriverArgs {
@@ -86,14 +90,23 @@ impl DriverArgs {
             send_token_ids: !self.no_token_header,
             request_timeout: Duration::from_secs_f64(self.request_timeout_secs.max(0.001)),
             max_duration: Duration::from_secs_f64(self.max_duration_secs.max(0.001)),
+            think_time: Duration::from_secs_f64(self.think_time_ms.max(0.0) / 1e3),
             seed,
         }
     }
 
     fn describe(&self) -> String {
-        match self.rate {
+        let mode = match self.rate {
             Some(r) => format!("open loop, Poisson arrivals at {r} requests/s"),
             None => format!("closed loop, {} concurrent clients", self.clients),
+        };
+        if self.think_time_ms > 0.0 {
+            format!(
+                "{mode}, mean think time {} ms between a reply and the next turn",
+                self.think_time_ms
+            )
+        } else {
+            mode
         }
     }
 }
