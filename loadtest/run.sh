@@ -25,14 +25,17 @@ TARGET="${CARGO_TARGET_DIR:-target}"
 cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-load
 
 FLEET=(--replicas 4 --max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
-COMMON=(--gateway "$TARGET/release/rolter" --strategies "$STRATEGIES" --clients 16 --max-duration-secs 120)
+COMMON=(--gateway "$TARGET/release/rolter" --strategies "$STRATEGIES" --clients 32 --max-duration-secs 120)
+# Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
+# sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
+CHAT=(--think-time-ms 100)
 
 for w in $WORKLOADS; do
   case "$w" in
     multi-turn)
-      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 512) ;;
+      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 512 "${CHAT[@]}") ;;
     multi-turn-pressure)
-      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 192) ;;
+      args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 192 "${CHAT[@]}") ;;
     few-shot)
       args=(--workload few-shot --requests 400 --prefixes 8 --prefix-tokens 1500 --cache-blocks 512) ;;
     unique)

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -308,6 +309,11 @@ pub async fn spawn_fleet(cfg: FleetConfig) -> std::io::Result<FleetHandle> {
         let replica = Replica::new(i, cfg.replica.clone(), publisher, shutdown_rx.clone());
         let app = crate::http::router(replica.clone());
         let mut rx = shutdown_rx.clone();
+        // TCP_NODELAY like uvicorn: SSE chunks are small writes that Nagle's algorithm would
+        // hold back for the client's delayed ACK (~40 ms), distorting TTFT.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         servers.push(tokio::spawn(async move {
             let _ = axum::serve(listener, app)
                 .with_graceful_shutdown(async move {

@@ -70,6 +70,10 @@ pub struct DriverArgs {
     /// Stop starting requests after this many seconds.
     #[arg(long, default_value_t = 240.0)]
     pub max_duration_secs: f64,
+    /// Mean think time between a reply and the session's next turn, milliseconds
+    /// (exponential; 0 = none).
+    #[arg(long, default_value_t = 0.0)]
+    pub think_time_ms: f64,
 }
 
 impl DriverArgs {
@@ -86,14 +90,23 @@ impl DriverArgs {
             send_token_ids: !self.no_token_header,
             request_timeout: Duration::from_secs_f64(self.request_timeout_secs.max(0.001)),
             max_duration: Duration::from_secs_f64(self.max_duration_secs.max(0.001)),
+            think_time: Duration::from_secs_f64(self.think_time_ms.max(0.0) / 1e3),
             seed,
         }
     }
 
     fn describe(&self) -> String {
-        match self.rate {
+        let mode = match self.rate {
             Some(r) => format!("open loop, Poisson arrivals at {r} requests/s"),
             None => format!("closed loop, {} concurrent clients", self.clients),
+        };
+        if self.think_time_ms > 0.0 {
+            format!(
+                "{mode}, mean think time {} ms between a reply and the next turn",
+                self.think_time_ms
+            )
+        } else {
+            mode
         }
     }
 }
@@ -176,7 +189,21 @@ struct Gateway {
     log: PathBuf,
 }
 
+/// Ports tried for the gateway's listener: below Linux's ephemeral range (32768–60999), so the
+/// port cannot be taken meanwhile as the local port of one of the many outgoing connections
+/// (the gateway binds it only after we release it).
+const GATEWAY_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A port free on 127.0.0.1 right now, picked at random from [`GATEWAY_PORTS`].
 fn free_port() -> std::io::Result<u16> {
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    for _ in 0..100 {
+        let port = rng.gen_range(GATEWAY_PORTS);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -366,13 +393,21 @@ pub async fn run_strategy(
         Ok(summarize(strategy, &outcome, &before, &after))
     }
     .await;
-    if let Some(gw) = gateway {
-        if result
+    if let Some(mut gw) = gateway {
+        if let Ok(Some(status)) = gw.child.try_wait() {
+            eprintln!("   the gateway exited during the run ({status})");
+        }
+        let failed = result
             .as_ref()
             .map(|r: &StrategyReport| r.errors > 0)
-            .unwrap_or(true)
-        {
-            eprintln!("gateway log for {strategy}: {}", gw.log.display());
+            .unwrap_or(true);
+        if failed {
+            let kept = std::env::temp_dir().join(format!(
+                "rolter-load-gateway-{strategy}-{}.log",
+                std::process::id()
+            ));
+            let _ = std::fs::copy(&gw.log, &kept);
+            eprintln!("   errors: gateway log kept at {}", kept.display());
         }
         gw.stop().await;
     }

@@ -6,7 +6,8 @@
 //! `x-rolter-vllm-token-ids`), and measuring TTFT (first content chunk) and end-to-end latency
 //! (through `data: [DONE]`). A session's turns are always sequential: turn t+1 is sent after
 //! turn t's reply arrived, with that reply in its history (falling back to the reply every
-//! replica would generate if the request failed). Every run is bounded by a deadline.
+//! replica would generate if the request failed), after an optional think time. Every run is
+//! bounded by a deadline.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -66,7 +67,10 @@ pub struct RunOptions {
     pub request_timeout: Duration,
     /// No new request starts after this much time.
     pub max_duration: Duration,
-    /// Seed of the open-loop arrival process.
+    /// Mean pause between a reply and the session's next turn (exponentially distributed,
+    /// seeded per session); zero sends the next turn at once.
+    pub think_time: Duration,
+    /// Seed of the open-loop arrival process and of think times.
     pub seed: u64,
 }
 
@@ -79,6 +83,7 @@ impl Default for RunOptions {
             send_token_ids: true,
             request_timeout: Duration::from_secs(60),
             max_duration: Duration::from_secs(240),
+            think_time: Duration::ZERO,
             seed: 1,
         }
     }
@@ -182,7 +187,13 @@ pub async fn run(sessions: Arc<Vec<Session>>, dispatch: Dispatch, opts: RunOptio
 async fn run_session(shared: &Shared, i: usize) {
     let session = &shared.sessions[i];
     let mut replies = Vec::with_capacity(session.user_turns.len());
+    let mut rng = StdRng::seed_from_u64(tokenizer::splitmix64(shared.opts.seed ^ i as u64));
     for t in 0..session.user_turns.len() {
+        if t > 0 && !shared.opts.think_time.is_zero() {
+            let u: f64 = rng.gen_range(f64::EPSILON..1.0);
+            let pause = shared.opts.think_time.mul_f64(-u.ln());
+            tokio::time::sleep_until((Instant::now() + pause).min(shared.deadline)).await;
+        }
         if Instant::now() >= shared.deadline {
             return;
         }
