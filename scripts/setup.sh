@@ -20,8 +20,12 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust (stable) with rustup first" >&2
   exit 1
 fi
-if ! python3 -c 'import msgspec' >/dev/null 2>&1; then
-  echo "setup: installing msgspec for the KV-event interop tests" >&2
-  python3 -m pip install -q msgspec 2>/dev/null \
-    || python3 -m pip install -q --break-system-packages msgspec
-fi
+# msgspec: an independent decoder of vLLM's KV-event structs; pyzmq: a real ZMQ peer.
+for mod in msgspec zmq; do
+  pkg=$mod; [ "$mod" = zmq ] && pkg=pyzmq
+  if ! python3 -c "import $mod" >/dev/null 2>&1; then
+    echo "setup: installing $pkg for the KV-event interop tests" >&2
+    python3 -m pip install -q "$pkg" 2>/dev/null \
+      || python3 -m pip install -q --break-system-packages "$pkg"
+  fi
+done
