@@ -105,7 +105,8 @@ start_rolter() { # port, strategy, targets -> pid in ROLTER_PID
 }
 start_rolter $RR_PORT round_robin 2; RR_PID=$ROLTER_PID
 start_rolter $CA_PORT cache_aware 2; CA_PID=$ROLTER_PID
-NGINX_PIDS=$(pgrep -f "nginx.*$WORK" | tr '\n' ' ')
+NGINX_MASTER=$(cat "$WORK/nginx.pid")
+NGINX_PIDS="$NGINX_MASTER $(pgrep -P "$NGINX_MASTER" | tr '\n' ' ')"
 
 # wrk script: bodies of SIZE bytes, 64 conversations sharing a system prompt.
 cat > "$WORK/post.lua" <<'LUA'
