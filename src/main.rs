@@ -2,8 +2,15 @@
 
 use clap::Parser;
 
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    // Plain (uncoloured) log lines: no per-line ANSI detection/stripping cost, and
+    // journald/files get clean text.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .write_style(env_logger::WriteStyle::Never)
+        .init();
     let cli = rolter::server::Cli::parse();
     if let Err(e) = rolter::server::run(cli) {
         eprintln!("{e}");
