@@ -42,6 +42,7 @@ pub struct Cli {
 
 /// Run rolter with the given CLI; returns only on a startup error.
 pub fn run(mut cli: Cli) -> Result<(), String> {
+    survive_early_sighup()?;
     if cli.demo {
         cli.routes = crate::demo::start(&cli.listen)?;
     }
@@ -73,4 +74,19 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run_forever();
+}
+
+/// SIGHUP's default action ends the process, and the reload service installs its
+/// handler only when pingora starts the services, possibly after the proxy already
+/// answers. Install tokio's process-wide SIGHUP handler now (tokio never uninstalls one,
+/// even after this runtime is gone), so a SIGHUP that arrives before the reload service
+/// listens is dropped instead of killing the gateway (the file was just read anyway).
+fn survive_early_sighup() -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| format!("cannot start a runtime to arm SIGHUP: {e}"))?;
+    rt.block_on(async { signal(SignalKind::hangup()).map(drop) })
+        .map_err(|e| format!("cannot install a SIGHUP handler: {e}"))
 }
