@@ -622,3 +622,111 @@ impl BackgroundService for ReloadOnSighup {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::egress::StaticResolver;
+
+    /// Providers `names` (each on loopback, the first with lmcache + kv_events) and one
+    /// route over all of them with `strategy`.
+    fn routes(names: &[&str], strategy: &str, extra_api_base: Option<&str>) -> String {
+        let mut s = String::new();
+        for (i, n) in names.iter().enumerate() {
+            s += &format!(
+                "[[providers]]\nname = \"{n}\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:{}\"\n",
+                9000 + i
+            );
+            if i == 0 {
+                s += "[providers.lmcache]\nendpoint = \"http://127.0.0.1:9100/status\"\n";
+                s += "[providers.kv_events]\nendpoint = \"tcp://127.0.0.1:5557\"\n";
+            }
+        }
+        if let Some(api_base) = extra_api_base {
+            s += &format!(
+                "[[providers]]\nname = \"extra\"\nkind = \"openai_compatible\"\napi_base = \"{api_base}\"\n"
+            );
+        }
+        s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
+        for n in names {
+            s += &format!("[[routes.targets]]\nprovider = \"{n}\"\nmodel = \"m\"\n");
+        }
+        s
+    }
+
+    fn key(provider: &str) -> TargetKey {
+        TargetKey {
+            provider: provider.into(),
+            model: "m".into(),
+        }
+    }
+
+    fn static_ctx() -> LoadContext {
+        LoadContext {
+            resolver: Arc::new(StaticResolver::default()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_load_that_fails_late_leaves_the_shared_state_untouched() {
+        let ctx = static_ctx();
+        let registry = Registry::default();
+        // The extra provider's name does not resolve: the last check to run fails.
+        let text = routes(&["a", "b"], "cache_aware", Some("http://nowhere.test:8000"));
+        let config = config::parse(&text, "r.toml").unwrap();
+        let err = RouteTable::build_with(&config, "r.toml", &registry, &ctx)
+            .err()
+            .expect("unresolvable");
+        assert!(err.to_string().contains("nowhere.test"), "{err}");
+        assert!(registry.is_empty(), "no target state created");
+        assert!(registry.kv_states().is_empty(), "no KV state created");
+        assert!(ctx.lmcache.is_empty(), "no lmcache cell created");
+    }
+
+    #[test]
+    fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
+        let dir =
+            std::env::temp_dir().join(format!("rolter-runtime-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+        let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+        let a = rt.registry().get_or_create(&key("a"));
+        a.trie.insert(b"a known prompt");
+        let kv_a = rt.registry().kv_states()[0].1.clone();
+        let ok = || METRICS.reloads.with_label_values(&["ok"]).get();
+        let failed = || METRICS.reloads.with_label_values(&["failed"]).get();
+
+        // Strategy changed, b removed, c added: a keeps its state (same Arc, same trie).
+        let ok_before = ok();
+        std::fs::write(&path, routes(&["a", "c"], "pipeline", None)).unwrap();
+        rt.reload().unwrap();
+        assert!(ok() > ok_before);
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        assert_eq!(route.strategy.name(), "pipeline");
+        assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+        assert_eq!(a.trie.match_len(b"a known prompt"), b"a known prompt".len());
+        assert!(Arc::ptr_eq(route.targets[0].kv.as_ref().unwrap(), &kv_a));
+        assert_eq!(rt.registry().targets().len(), 2, "b is forgotten, c is new");
+        assert!(!table.target_keys().contains(&key("b")));
+
+        // A bad file changes nothing.
+        let failed_before = failed();
+        std::fs::write(&path, "[[routes]]\nmodel = 1\n").unwrap();
+        assert!(rt.reload().is_err());
+        assert!(failed() > failed_before);
+        assert!(Arc::ptr_eq(&rt.table(), &table), "old table stays");
+
+        // Back: a still has its prompt, b starts afresh.
+        std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+        rt.reload().unwrap();
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        assert_eq!(route.strategy.name(), "cache_aware");
+        assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+        assert_eq!(route.targets[1].state.trie.node_count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
