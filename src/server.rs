@@ -56,6 +56,9 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     if cli.demo {
         cli.routes = crate::demo::start(&cli.listen)?;
     }
+    // SIGHUP re-reads this path later, and `-d` changes the working directory to `/`.
+    cli.routes =
+        std::path::absolute(&cli.routes).map_err(|e| format!("{}: {e}", cli.routes.display()))?;
     let runtime = Runtime::load(&cli.routes).map_err(|e| e.to_string())?;
     if cli.pingora.test {
         println!("{}: routing file ok", cli.routes.display());
