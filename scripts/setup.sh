@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian machine lacks to build and test rolter:
 #   cmake (pingora's zlib-ng build), a C toolchain, pkg-config, and for the Python
-#   interop tests python3 + msgspec. Idempotent: installs only what is missing.
+#   interop tests python3 + msgspec, and systemd-analyze (package systemd) for the unit
+#   file check (tests/systemd.rs). Idempotent: installs only what is missing.
 set -euo pipefail
 
 need=()
@@ -9,6 +10,7 @@ command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -38,8 +38,8 @@ pub struct Metrics {
     pub prefix_score: HistogramVec,
     /// Prefix trie nodes per target (refreshed at scrape time).
     pub trie_nodes: IntGaugeVec,
-    /// Prompts evicted from a target's trie by its node cap (refreshed at scrape time).
-    pub trie_evictions: IntGaugeVec,
+    /// Prompts evicted from a target's trie by its node cap (caught up at scrape time).
+    pub trie_evictions: IntCounterVec,
     /// Sessions in a route's affinity table (refreshed at scrape time).
     pub sessions: IntGaugeVec,
     /// KV-event stream counters per provider and kind (batches, events by type, decode
@@ -95,12 +95,19 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["strategy", "reason"]
     )
     .expect("register rolter_routing_decisions_total"),
-    reloads: register_int_counter_vec!(
-        "rolter_config_reloads_total",
-        "Routing file reloads by result",
-        &["result"]
-    )
-    .expect("register rolter_config_reloads_total"),
+    reloads: {
+        let reloads = register_int_counter_vec!(
+            "rolter_config_reloads_total",
+            "Routing file reloads (SIGHUP) by result: ok or failed",
+            &["result"]
+        )
+        .expect("register rolter_config_reloads_total");
+        // Both series exist from the start, so an alert on `failed` sees its first one.
+        for result in ["ok", "failed"] {
+            reloads.with_label_values(&[result]);
+        }
+        reloads
+    },
     upstream_connections: register_int_counter_vec!(
         "rolter_upstream_connections_total",
         "Upstream HTTP sessions by whether the connection was reused from the pool",
@@ -138,12 +145,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["target"]
     )
     .expect("register rolter_trie_nodes"),
-    trie_evictions: register_int_gauge_vec!(
-        "rolter_trie_evictions",
-        "Prompts evicted from a target's prefix trie by its node cap (cumulative)",
+    trie_evictions: register_int_counter_vec!(
+        "rolter_trie_evictions_total",
+        "Prompts evicted from a target's prefix trie by its node cap",
         &["target"]
     )
-    .expect("register rolter_trie_evictions"),
+    .expect("register rolter_trie_evictions_total"),
     sessions: register_int_gauge_vec!(
         "rolter_sessions",
         "Sessions in a route's affinity table",
@@ -188,26 +195,26 @@ pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
     use std::sync::atomic::Ordering::Relaxed;
     let st = &kv.stream;
     let m = &*METRICS;
-    for (kind, value) in [
-        ("batches", &st.batches),
-        ("block_stored", &st.events_stored),
-        ("block_removed", &st.events_removed),
-        ("all_blocks_cleared", &st.events_cleared),
-        ("decode_errors", &st.decode_errors),
-        ("gaps", &st.gaps),
-        ("restarts", &st.restarts),
-        ("replays_ok", &st.replays_ok),
-        ("replays_failed", &st.replays_failed),
-        ("rebuilds", &st.rebuilds),
-        ("stale", &st.stale),
-        ("connects", &st.connects),
-        ("evictions", &st.evictions),
-    ] {
-        let c = m.kv_stream.with_label_values(&[provider, kind]);
-        let delta = value.load(Relaxed).saturating_sub(c.get());
-        if delta > 0 {
-            c.inc_by(delta);
-        }
+    let values = [
+        &st.batches,
+        &st.events_stored,
+        &st.events_removed,
+        &st.events_cleared,
+        &st.decode_errors,
+        &st.gaps,
+        &st.restarts,
+        &st.replays_ok,
+        &st.replays_failed,
+        &st.rebuilds,
+        &st.stale,
+        &st.connects,
+        &st.evictions,
+    ];
+    for (kind, value) in KV_STREAM_KINDS.iter().zip(values) {
+        catch_up(
+            &m.kv_stream.with_label_values(&[provider, kind]),
+            value.load(Relaxed),
+        );
     }
     m.kv_trusted
         .with_label_values(&[provider])
@@ -218,6 +225,74 @@ pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
     m.kv_index_blocks
         .with_label_values(&[provider])
         .set(kv.index.block_count() as i64);
+}
+
+/// The `kind` labels of `rolter_kv_stream_total`, in [`export_kv_stream`]'s order.
+const KV_STREAM_KINDS: [&str; 13] = [
+    "batches",
+    "block_stored",
+    "block_removed",
+    "all_blocks_cleared",
+    "decode_errors",
+    "gaps",
+    "restarts",
+    "replays_ok",
+    "replays_failed",
+    "rebuilds",
+    "stale",
+    "connects",
+    "evictions",
+];
+
+/// Raise a counter mirroring a monotonic source to the source's value.
+fn catch_up(counter: &prometheus::IntCounter, value: u64) {
+    let delta = value.saturating_sub(counter.get());
+    if delta > 0 {
+        counter.inc_by(delta);
+    }
+}
+
+/// Mirror a target's prefix-trie size and evictions (called at scrape time).
+pub fn export_trie(target: &str, nodes: usize, evictions: u64) {
+    METRICS
+        .trie_nodes
+        .with_label_values(&[target])
+        .set(nodes as i64);
+    catch_up(
+        &METRICS.trie_evictions.with_label_values(&[target]),
+        evictions,
+    );
+}
+
+/// Drop the per-target series of a target a reload removed (its state is dropped too;
+/// if it comes back it starts from zero). Cumulative request and latency series stay.
+pub fn forget_target(target: &str) {
+    let m = &*METRICS;
+    let _ = m.inflight.remove_label_values(&[target]);
+    let _ = m.trie_nodes.remove_label_values(&[target]);
+    let _ = m.trie_evictions.remove_label_values(&[target]);
+}
+
+/// Drop the health gauge of a provider a reload removed.
+pub fn forget_provider(provider: &str) {
+    let _ = METRICS.provider_healthy.remove_label_values(&[provider]);
+}
+
+/// Drop the KV-event series of a provider whose `[providers.kv_events]` a reload removed
+/// (its stream state is dropped, so the mirrored counters restart from zero).
+pub fn forget_kv_stream(provider: &str) {
+    let m = &*METRICS;
+    for kind in KV_STREAM_KINDS {
+        let _ = m.kv_stream.remove_label_values(&[provider, kind]);
+    }
+    let _ = m.kv_trusted.remove_label_values(&[provider]);
+    let _ = m.kv_connected.remove_label_values(&[provider]);
+    let _ = m.kv_index_blocks.remove_label_values(&[provider]);
+}
+
+/// Drop the session gauge of a route a reload removed.
+pub fn forget_route(alias: &str) {
+    let _ = METRICS.sessions.remove_label_values(&[alias]);
 }
 
 /// Render every registered metric in the Prometheus text format.

@@ -191,38 +191,60 @@ impl RouteTable {
         let limits = config.limits.clone();
         // The config was validated: every `[egress]` entry compiles.
         let egress = Arc::new(EgressPolicy::compile(&config.egress).0);
+        // Phase 1: everything that can fail (resolution, egress checks of resolved
+        // addresses), touching no state that outlives this call, so a rejected reload
+        // leaves the registry and the status board exactly as they were.
+        let mut resolved = Vec::with_capacity(config.providers.len());
+        for (index, p) in config.providers.iter().enumerate() {
+            let upstream = resolve_provider(&p.api_base, origin, index, &p.name, ctx, &egress)?;
+            if let Some(l) = &p.lmcache {
+                check_lmcache(&p.name, l, origin, index, ctx, &egress)?;
+            }
+            let kv_spec = match &p.kv_events {
+                None => None,
+                Some(k) => {
+                    let resolve = |key: &'static str, url: &str| {
+                        resolve_zmq(url, key, origin, index, &p.name, ctx, &egress)
+                    };
+                    Some(KvSpec {
+                        endpoint: resolve("kv_events.endpoint", &k.endpoint)?,
+                        topic: k.topic.clone(),
+                        replay_endpoint: k
+                            .replay_endpoint
+                            .as_deref()
+                            .map(|r| resolve("kv_events.replay_endpoint", r))
+                            .transpose()?,
+                        staleness_ms: k.staleness_ms,
+                    })
+                }
+            };
+            resolved.push((upstream, kv_spec));
+        }
+        // Phase 2: bind to the long-lived state (cannot fail).
         let mut providers = HashMap::new();
         let mut entries = Vec::new();
         let mut lmcache = HashMap::new();
         let mut kv: Vec<KvEntry> = Vec::new();
-        for (index, p) in config.providers.iter().enumerate() {
-            let resolved = resolve_provider(&p.api_base, origin, index, &p.name, ctx, &egress)?;
+        for (p, (upstream, kv_spec)) in config.providers.iter().zip(resolved) {
             entries.push(ProviderEntry {
                 name: p.name.clone(),
-                addr: resolved.addr,
-                host: resolved.host.clone(),
+                addr: upstream.addr,
+                host: upstream.host.clone(),
                 health: p.health.clone(),
                 state: registry.provider_health(&p.name),
             });
-            providers.insert(p.name.as_str(), resolved);
+            providers.insert(p.name.as_str(), upstream);
             if let Some(l) = &p.lmcache {
-                let ep = lmcache_endpoint(&p.name, l, origin, index, ctx, &egress)?;
+                let status = ctx.lmcache.get_or_create(
+                    &p.name,
+                    &l.endpoint,
+                    Duration::from_millis(l.stale_after_ms),
+                );
+                let ep =
+                    LmcacheEndpoint::new(&p.name, l, status).expect("validated lmcache.endpoint");
                 lmcache.insert(p.name.as_str(), Arc::new(ep));
             }
-            if let Some(k) = &p.kv_events {
-                let resolve = |key: &'static str, url: &str| {
-                    resolve_zmq(url, key, origin, index, &p.name, ctx, &egress)
-                };
-                let spec = KvSpec {
-                    endpoint: resolve("kv_events.endpoint", &k.endpoint)?,
-                    topic: k.topic.clone(),
-                    replay_endpoint: k
-                        .replay_endpoint
-                        .as_deref()
-                        .map(|r| resolve("kv_events.replay_endpoint", r))
-                        .transpose()?,
-                    staleness_ms: k.staleness_ms,
-                };
+            if let (Some(k), Some(spec)) = (&p.kv_events, kv_spec) {
                 kv.push(KvEntry {
                     provider: p.name.clone(),
                     spec,
@@ -387,39 +409,34 @@ struct PeerTimeouts {
     idle_ms: u64,
 }
 
-/// Bind `[providers.lmcache]` to its status cell after checking the endpoint's current
-/// addresses. A denied address fails the load; a name that does not resolve yet does
-/// not (the poller re-resolves on every poll; until then the controller is neutral).
-fn lmcache_endpoint(
+/// Check `[providers.lmcache]`'s current addresses against the egress policy. A denied
+/// address fails the load; a name that does not resolve yet does not (the poller
+/// re-resolves on every poll; until then the controller is neutral).
+fn check_lmcache(
     provider: &str,
     l: &LmcacheConfig,
     origin: &str,
     index: usize,
     ctx: &LoadContext,
     policy: &EgressPolicy,
-) -> Result<LmcacheEndpoint, LoadError> {
+) -> Result<(), LoadError> {
     let (host, port) = egress::url_host_port(&l.endpoint, 80).expect("validated lmcache.endpoint");
     match egress::resolve_checked(ctx.resolver.as_ref(), policy, &host, port) {
-        Ok(_) => {}
-        Err(OutboundError::Egress(error)) => {
-            return Err(LoadError::Egress {
-                path: origin.to_string(),
-                index,
-                provider: provider.to_string(),
-                key: "lmcache.endpoint",
-                error,
-            })
+        Ok(_) => Ok(()),
+        Err(OutboundError::Egress(error)) => Err(LoadError::Egress {
+            path: origin.to_string(),
+            index,
+            provider: provider.to_string(),
+            key: "lmcache.endpoint",
+            error,
+        }),
+        Err(e) => {
+            log::warn!(
+                "{origin}: providers[{index}].lmcache.endpoint: {e}; the controller stays neutral until it resolves"
+            );
+            Ok(())
         }
-        Err(e) => log::warn!(
-            "{origin}: providers[{index}].lmcache.endpoint: {e}; the controller stays neutral until it resolves"
-        ),
     }
-    let status = ctx.lmcache.get_or_create(
-        provider,
-        &l.endpoint,
-        Duration::from_millis(l.stale_after_ms),
-    );
-    Ok(LmcacheEndpoint::new(provider, l, status).expect("validated lmcache.endpoint"))
 }
 
 /// Resolve and egress-check a `tcp://host:port` ZMQ endpoint into `tcp://ip:port`.
@@ -515,34 +532,60 @@ impl Runtime {
     }
 
     /// Re-read the routing file; swap it in if valid, keep the old table if not.
+    /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
     pub fn reload(&self) -> Result<(), LoadError> {
-        match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
-            Ok(table) => {
-                let keep = table.target_keys();
-                let aliases = table.routes.keys().cloned().collect();
-                let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
-                self.table.store(Arc::new(table));
-                self.registry.retain(&keep);
-                self.registry.retain_sessions(&aliases);
-                self.ctx.lmcache.retain(&keep_lmcache);
-                let keep_kv = self
-                    .table
-                    .load()
-                    .kv
-                    .iter()
-                    .map(|e| e.provider.clone())
-                    .collect();
-                self.registry.retain_kv(&keep_kv);
-                METRICS.reloads.with_label_values(&["ok"]).inc();
-                log::info!("reloaded routes from {}", self.routes_path.display());
-                Ok(())
-            }
+        let table = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
+            Ok(table) => table,
             Err(e) => {
                 METRICS.reloads.with_label_values(&["failed"]).inc();
-                log::error!("reload rejected, keeping the previous routes: {e}");
-                Err(e)
+                log::error!(
+                    "reload of {} rejected, keeping the previous routes: {e}",
+                    self.routes_path.display()
+                );
+                return Err(e);
             }
+        };
+        let keep = table.target_keys();
+        let providers: HashSet<String> = table.providers.iter().map(|p| p.name.clone()).collect();
+        let aliases: HashSet<String> = table.routes.keys().cloned().collect();
+        let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
+        let keep_kv: HashSet<String> = table.kv.iter().map(|e| e.provider.clone()).collect();
+        let routes = table.routes.len();
+        // The swap: requests that loaded the old table finish on it.
+        let old = self.table.swap(Arc::new(table));
+        self.registry.retain(&keep, &providers);
+        self.registry.retain_sessions(&aliases);
+        self.ctx.lmcache.retain(&keep_lmcache);
+        self.registry.retain_kv(&keep_kv);
+        // Drop the series of what is gone, so no gauge reports a removed target and a
+        // re-added one starts from zero (its state starts afresh too).
+        let old_keys = old.target_keys();
+        let removed: Vec<&TargetKey> = old_keys.difference(&keep).collect();
+        for key in &removed {
+            crate::metrics::forget_target(&key.label());
         }
+        for p in old
+            .providers
+            .iter()
+            .filter(|p| !providers.contains(&p.name))
+        {
+            crate::metrics::forget_provider(&p.name);
+        }
+        for e in old.kv.iter().filter(|e| !keep_kv.contains(&e.provider)) {
+            crate::metrics::forget_kv_stream(&e.provider);
+        }
+        for alias in old.routes.keys().filter(|a| !aliases.contains(*a)) {
+            crate::metrics::forget_route(alias);
+        }
+        METRICS.reloads.with_label_values(&["ok"]).inc();
+        log::info!(
+            "reloaded routes from {}: {routes} routes, {} targets ({} added, {} removed)",
+            self.routes_path.display(),
+            keep.len(),
+            keep.difference(&old_keys).count(),
+            removed.len(),
+        );
+        Ok(())
     }
 }
 
@@ -560,16 +603,130 @@ impl BackgroundService for ReloadOnSighup {
                 return;
             }
         };
+        log::info!("SIGHUP re-reads {}", self.0.routes_path.display());
         loop {
             tokio::select! {
                 _ = hup.recv() => {
                     // Reading the file and resolving upstreams blocks: keep it off the
-                    // async workers.
+                    // async workers (and off the request path). Reloads run one at a
+                    // time; a SIGHUP during one is delivered once it ends.
                     let runtime = self.0.clone();
-                    let _ = tokio::task::spawn_blocking(move || runtime.reload()).await;
+                    if let Err(e) = tokio::task::spawn_blocking(move || runtime.reload()).await {
+                        // `reload` logs and counts its own outcomes; this is a panic.
+                        METRICS.reloads.with_label_values(&["failed"]).inc();
+                        log::error!("reload aborted, keeping the previous routes: {e}");
+                    }
                 }
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::egress::StaticResolver;
+
+    /// Providers `names` (each on loopback, the first with lmcache + kv_events) and one
+    /// route over all of them with `strategy`.
+    fn routes(names: &[&str], strategy: &str, extra_api_base: Option<&str>) -> String {
+        let mut s = String::new();
+        for (i, n) in names.iter().enumerate() {
+            s += &format!(
+                "[[providers]]\nname = \"{n}\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:{}\"\n",
+                9000 + i
+            );
+            if i == 0 {
+                s += "[providers.lmcache]\nendpoint = \"http://127.0.0.1:9100/status\"\n";
+                s += "[providers.kv_events]\nendpoint = \"tcp://127.0.0.1:5557\"\n";
+            }
+        }
+        if let Some(api_base) = extra_api_base {
+            s += &format!(
+                "[[providers]]\nname = \"extra\"\nkind = \"openai_compatible\"\napi_base = \"{api_base}\"\n"
+            );
+        }
+        s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
+        for n in names {
+            s += &format!("[[routes.targets]]\nprovider = \"{n}\"\nmodel = \"m\"\n");
+        }
+        s
+    }
+
+    fn key(provider: &str) -> TargetKey {
+        TargetKey {
+            provider: provider.into(),
+            model: "m".into(),
+        }
+    }
+
+    fn static_ctx() -> LoadContext {
+        LoadContext {
+            resolver: Arc::new(StaticResolver::default()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_load_that_fails_late_leaves_the_shared_state_untouched() {
+        let ctx = static_ctx();
+        let registry = Registry::default();
+        // The extra provider's name does not resolve: the last check to run fails.
+        let text = routes(&["a", "b"], "cache_aware", Some("http://nowhere.test:8000"));
+        let config = config::parse(&text, "r.toml").unwrap();
+        let err = RouteTable::build_with(&config, "r.toml", &registry, &ctx)
+            .err()
+            .expect("unresolvable");
+        assert!(err.to_string().contains("nowhere.test"), "{err}");
+        assert!(registry.is_empty(), "no target state created");
+        assert!(registry.kv_states().is_empty(), "no KV state created");
+        assert!(ctx.lmcache.is_empty(), "no lmcache cell created");
+    }
+
+    #[test]
+    fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
+        let dir =
+            std::env::temp_dir().join(format!("rolter-runtime-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+        let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+        let a = rt.registry().get_or_create(&key("a"));
+        a.trie.insert(b"a known prompt");
+        let kv_a = rt.registry().kv_states()[0].1.clone();
+        let ok = || METRICS.reloads.with_label_values(&["ok"]).get();
+        let failed = || METRICS.reloads.with_label_values(&["failed"]).get();
+
+        // Strategy changed, b removed, c added: a keeps its state (same Arc, same trie).
+        let ok_before = ok();
+        std::fs::write(&path, routes(&["a", "c"], "pipeline", None)).unwrap();
+        rt.reload().unwrap();
+        assert!(ok() > ok_before);
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        assert_eq!(route.strategy.name(), "pipeline");
+        assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+        assert_eq!(a.trie.match_len(b"a known prompt"), b"a known prompt".len());
+        assert!(Arc::ptr_eq(route.targets[0].kv.as_ref().unwrap(), &kv_a));
+        assert_eq!(rt.registry().targets().len(), 2, "b is forgotten, c is new");
+        assert!(!table.target_keys().contains(&key("b")));
+
+        // A bad file changes nothing.
+        let failed_before = failed();
+        std::fs::write(&path, "[[routes]]\nmodel = 1\n").unwrap();
+        assert!(rt.reload().is_err());
+        assert!(failed() > failed_before);
+        assert!(Arc::ptr_eq(&rt.table(), &table), "old table stays");
+
+        // Back: a still has its prompt, b starts afresh.
+        std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+        rt.reload().unwrap();
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        assert_eq!(route.strategy.name(), "cache_aware");
+        assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+        assert_eq!(route.targets[1].state.trie.node_count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -8,12 +8,22 @@ use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
 use crate::lmcache_poll::LmcachePollService;
 use crate::proxy::Gateway;
 use crate::runtime::{ReloadOnSighup, Runtime};
+use async_trait::async_trait;
 use clap::Parser;
+use pingora::apps::{HttpServerApp, HttpServerOptions, ReusedHttpStream};
+use pingora::protocols::http::ServerSession;
 use pingora::server::configuration::Opt;
 use pingora::server::Server;
+use pingora::server::ShutdownWatch;
 use pingora::services::background::background_service;
+use pingora::services::listening::Service;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long connections already accepted keep being served after the listener closes
+/// (see [`LingerOnShutdown`]); below the shipped `grace_period_seconds`.
+const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
 
 /// Default listen address of the proxy port.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
@@ -42,9 +52,13 @@ pub struct Cli {
 
 /// Run rolter with the given CLI; returns only on a startup error.
 pub fn run(mut cli: Cli) -> Result<(), String> {
+    survive_early_sighup()?;
     if cli.demo {
         cli.routes = crate::demo::start(&cli.listen)?;
     }
+    // SIGHUP re-reads this path later, and `-d` changes the working directory to `/`.
+    cli.routes =
+        std::path::absolute(&cli.routes).map_err(|e| format!("{}: {e}", cli.routes.display()))?;
     let runtime = Runtime::load(&cli.routes).map_err(|e| e.to_string())?;
     if cli.pingora.test {
         println!("{}: routing file ok", cli.routes.display());
@@ -54,8 +68,8 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     // Exits the process after checking pingora's YAML when `-t` was given.
     server.bootstrap();
     let gateway = Gateway::new(runtime.clone(), &server.configuration);
-    let mut proxy =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "rolter");
+    let app = pingora::proxy::http_proxy(&server.configuration, gateway);
+    let mut proxy = Service::new("rolter".to_string(), LingerOnShutdown(Arc::new(app)));
     proxy.add_tcp(&cli.listen);
     server.add_service(proxy);
     server.add_service(background_service(
@@ -73,4 +87,55 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run_forever();
+}
+
+/// SIGHUP's default action ends the process, and the reload service installs its
+/// handler only when pingora starts the services, possibly after the proxy already
+/// answers. Install tokio's process-wide SIGHUP handler now (tokio never uninstalls one,
+/// even after this runtime is gone), so a SIGHUP that arrives before the reload service
+/// listens is dropped instead of killing the gateway (the file was just read anyway).
+fn survive_early_sighup() -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| format!("cannot start a runtime to arm SIGHUP: {e}"))?;
+    rt.block_on(async { signal(SignalKind::hangup()).map(drop) })
+        .map_err(|e| format!("cannot install a SIGHUP handler: {e}"))
+}
+
+/// pingora's HTTP proxy app with its shutdown cleanup delayed by [`SHUTDOWN_LINGER`].
+///
+/// On shutdown (SIGTERM, or SIGQUIT after a `-u` upgrade handed the listening socket
+/// over) pingora 0.9.1 stops accepting and at once runs the app's `http_cleanup`, which
+/// drops every connection still waiting for a request. That includes connections
+/// accepted a moment earlier whose request bytes had not been read yet: their clients
+/// get a closed connection instead of an answer (seen in `tests/upgrade.rs` about once
+/// per few thousand fresh connections). Delaying the cleanup lets those requests be read
+/// and answered (pingora turns keep-alive off once shutdown started); connections that
+/// stay idle are closed when the linger ends, as before.
+struct LingerOnShutdown<A>(Arc<A>);
+
+#[async_trait]
+impl<A: HttpServerApp + Send + Sync + 'static> HttpServerApp for LingerOnShutdown<A> {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        session: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        self.0.process_new_http(session, shutdown).await
+    }
+
+    fn h2_options(&self) -> Option<pingora::protocols::http::v2::server::H2Options> {
+        self.0.h2_options()
+    }
+
+    fn server_options(&self) -> Option<&HttpServerOptions> {
+        self.0.server_options()
+    }
+
+    async fn http_cleanup(&self) {
+        tokio::time::sleep(SHUTDOWN_LINGER).await;
+        self.0.http_cleanup().await;
+    }
 }

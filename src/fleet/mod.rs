@@ -226,13 +226,15 @@ impl Registry {
             .clone()
     }
 
-    /// Forget targets not in `keep` (after a reload removed them), and providers no
-    /// remaining target uses. States still held by in-flight requests live on until
-    /// those finish.
-    pub fn retain(&self, keep: &std::collections::HashSet<TargetKey>) {
+    /// Forget targets not in `keep` and providers not in `providers` (after a reload
+    /// removed them). States still held by in-flight requests live on until those finish.
+    pub fn retain(
+        &self,
+        keep: &std::collections::HashSet<TargetKey>,
+        providers: &std::collections::HashSet<String>,
+    ) {
         self.targets.retain(|k, _| keep.contains(k));
-        self.providers
-            .retain(|name, _| keep.iter().any(|k| &k.provider == name));
+        self.providers.retain(|name, _| providers.contains(name));
     }
 
     /// Forget session tables of routes that no longer exist.

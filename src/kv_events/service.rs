@@ -4,9 +4,12 @@
 //! Reconciles with the table every [`RECONCILE_INTERVAL`]: a provider whose stream
 //! settings are unchanged keeps its subscriber (and index) across reloads; a changed
 //! endpoint restarts the subscriber with an emptied index (the old replica's blocks
-//! mean nothing for the new one); a removed provider's subscriber stops.
+//! mean nothing for the new one); a removed provider's subscriber stops. A provider
+//! removed and re-added between two checks comes back with a fresh state, so its
+//! subscriber restarts to feed that state rather than the dropped one.
 
 use super::subscriber::{KvEventSubscriber, SubscriberConfig};
+use crate::fleet::KvState;
 use crate::runtime::{KvSpec, Runtime};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
@@ -25,6 +28,7 @@ pub struct KvEventService(pub Arc<Runtime>);
 
 struct Running {
     spec: KvSpec,
+    state: Arc<KvState>,
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
 }
@@ -56,7 +60,7 @@ impl BackgroundService for KvEventService {
             for entry in wanted {
                 if running
                     .get(&entry.provider)
-                    .is_some_and(|r| r.spec == entry.spec)
+                    .is_some_and(|r| r.spec == entry.spec && Arc::ptr_eq(&r.state, &entry.state))
                 {
                     continue;
                 }
@@ -86,6 +90,7 @@ impl BackgroundService for KvEventService {
                     entry.provider.clone(),
                     Running {
                         spec: entry.spec.clone(),
+                        state: entry.state.clone(),
                         stop,
                         task,
                     },

@@ -317,15 +317,7 @@ impl Gateway {
                     crate::metrics::export_kv_stream(&provider, &kv);
                 }
                 for t in self.runtime.registry().targets() {
-                    let label = [t.label()];
-                    METRICS
-                        .trie_nodes
-                        .with_label_values(&label)
-                        .set(t.trie.node_count() as i64);
-                    METRICS
-                        .trie_evictions
-                        .with_label_values(&label)
-                        .set(t.trie.evictions() as i64);
+                    crate::metrics::export_trie(t.label(), t.trie.node_count(), t.trie.evictions());
                 }
                 (
                     200,

@@ -84,6 +84,26 @@ fn pingora_yaml(dir: &std::path::Path) -> PathBuf {
     path
 }
 
+/// [`pingora_yaml`] for tests that run the binary themselves (pid file and upgrade
+/// socket in `dir`, 1 s grace periods).
+pub fn write_pingora_yaml(dir: &std::path::Path) -> PathBuf {
+    pingora_yaml(dir)
+}
+
+/// The file in a gateway's `dir` that [`Gateway::start_logged`] writes its log to.
+pub const LOG_FILE: &str = "rolter.log";
+
+/// Wait until a gateway on `port` answers `/health` with 200 (false after `limit`).
+pub async fn wait_healthy_on(port: u16, limit: Duration) -> bool {
+    let client = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}/health");
+    eventually(limit, || {
+        let req = client.get(&url).timeout(Duration::from_secs(1)).send();
+        async move { req.await.is_ok_and(|r| r.status().is_success()) }
+    })
+    .await
+}
+
 impl Gateway {
     /// Start the gateway with `routes` TOML and wait until it answers `/health`.
     /// A port picked free can be taken by another process before the gateway binds it
@@ -130,6 +150,45 @@ impl Gateway {
             }
         }
         panic!("gateway did not start in 3 attempts");
+    }
+
+    /// Like [`start`](Self::start), with the gateway's log (`RUST_LOG=info`, or
+    /// `$ROLTER_TEST_LOG`) written to `dir/rolter.log` for [`log`](Self::log).
+    pub async fn start_logged(routes: &str) -> Gateway {
+        let dir = TempDir::new("gw");
+        let routes_path = dir.0.join("routes.toml");
+        std::fs::write(&routes_path, routes).unwrap();
+        let port = free_port();
+        let conf = pingora_yaml(&dir.0);
+        let log = std::fs::File::create(dir.0.join(LOG_FILE)).unwrap();
+        let child = Command::new(rolter_bin())
+            .arg("-c")
+            .arg(&conf)
+            .arg("--routes")
+            .arg(&routes_path)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .env(
+                "RUST_LOG",
+                std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn rolter");
+        let mut gw = Gateway {
+            child,
+            port,
+            routes: routes_path,
+            dir,
+        };
+        assert!(gw.wait_healthy().await, "gateway exited during start-up");
+        gw
+    }
+
+    /// The log written so far by a gateway started with [`start_logged`](Self::start_logged).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join(LOG_FILE)).unwrap_or_default()
     }
 
     /// Wait until *our* process answers `/health`; false if it exited first.
