@@ -35,6 +35,9 @@ const MAX_BLOCKS: usize = MAX_FANOUT.div_ceil(KIDS_PER_BLOCK);
 const SEG_SHIFT: u32 = 10;
 const SEG_SLOTS: usize = 1 << SEG_SHIFT;
 
+/// How many slots ahead the eviction climb prefetches (4 metadata entries share a cache line).
+const PREFETCH_AHEAD: u32 = 8;
+
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).
 const OPTIMISTIC_ATTEMPTS: usize = 4;
@@ -109,7 +112,9 @@ struct Dir {
 impl Dir {
     fn with_len(n: usize) -> Box<Dir> {
         Box::new(Dir {
-            segs: (0..n).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect(),
+            segs: (0..n)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
         })
     }
 
@@ -174,16 +179,34 @@ struct Walk {
 
 /// Node-capped, LRU-by-insertion radix trie of prompt bytes; `Send + Sync`, lock-free reads.
 pub struct PrefixTrie {
+    // Read-mostly, loaded by every walk: kept off the cache lines the writer dirties.
     dir: AtomicPtr<Dir>,
-    writer: Mutex<Writer>,
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
+    writer: Padded<Mutex<Writer>>,
+    stats: Padded<Stats>,
+}
+
+/// Counters published by the writer after each operation, for lock-free getters.
+#[derive(Default)]
+struct Stats {
     nodes: AtomicUsize,
     bytes: AtomicUsize,
     prompts: AtomicUsize,
     evictions: AtomicU64,
     mem: AtomicUsize,
+}
+
+/// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 // SAFETY: all shared state is atomics or behind the mutex; the raw `Dir`/`Segment` pointers are
@@ -234,6 +257,93 @@ fn lock(m: &Meta) {
 fn unlock(m: &Meta) {
     let v = m.ver.load(Relaxed);
     m.ver.store(v.wrapping_add(1), Release);
+}
+
+/// `shape` bits of a full-label node with exactly one child (the walk's fast path).
+const CHAIN_MASK: u32 = LEN_MASK | NKIDS_MASK << NKIDS_SHIFT;
+const CHAIN_SHAPE: u32 = LABEL_BYTES as u32 | 1 << NKIDS_SHIFT;
+
+/// A validated position of a walk: `m`/`label` is slot `id`, read at version `v`, and the
+/// first `pos` prompt bytes matched up to the start of its label.
+#[derive(Clone, Copy)]
+struct Cursor<'d> {
+    pos: usize,
+    id: u32,
+    m: &'d Meta,
+    label: &'d Label,
+    v: u32,
+}
+
+/// Follow full-label single-child nodes stored back to back; `Some(true)` if it advanced,
+/// `None` if a concurrent write was seen.
+#[inline(never)]
+fn run_chain(prompt: &[u8], st: &mut Cursor<'_>) -> Option<bool> {
+    // Locals, written back once: the validation fences would otherwise force `st` to memory.
+    let Cursor {
+        mut pos,
+        mut id,
+        mut m,
+        mut label,
+        mut v,
+    } = *st;
+    let start = pos;
+    loop {
+        let shape = m.shape.load(Relaxed);
+        if shape & CHAIN_MASK != CHAIN_SHAPE {
+            break;
+        }
+        let Some(chunk) = prompt.get(pos..pos + LABEL_BYTES + 1) else {
+            break;
+        };
+        let c = m.kid[0].load(Relaxed);
+        if shape_key0(shape) != chunk[LABEL_BYTES]
+            || c != id.wrapping_add(1)
+            || c as usize & (SEG_SLOTS - 1) == 0
+            || !label_eq(label, chunk)
+        {
+            break;
+        }
+        // SAFETY: `m`/`label` are entry `id & (SEG_SLOTS-1)` of their segment's arrays and
+        // `c = id + 1` has a non-zero index, so entry + 1 is in bounds of the same arrays.
+        let (cm, cl) = unsafe {
+            (
+                &*(m as *const Meta).add(1),
+                &*(label as *const Label).add(1),
+            )
+        };
+        let cv = read_begin(cm)?;
+        if !read_valid(m, v) {
+            return None;
+        }
+        pos += LABEL_BYTES;
+        (id, m, label, v) = (c, cm, cl, cv);
+    }
+    *st = Cursor {
+        pos,
+        id,
+        m,
+        label,
+        v,
+    };
+    Some(pos != start)
+}
+
+/// Whether a full label equals the first `LABEL_BYTES` of `chunk`.
+#[inline(always)]
+fn label_eq(label: &Label, chunk: &[u8]) -> bool {
+    let chunk: &[u8; LABEL_BYTES] = chunk[..LABEL_BYTES].try_into().expect("full chunk");
+    let word = |i: usize| u64::from_le_bytes(chunk[i * 8..i * 8 + 8].try_into().expect("8"));
+    // Two halves keep register pressure low (atomic loads are not reordered by the compiler).
+    for half in [0..LABEL_WORDS / 2, LABEL_WORDS / 2..LABEL_WORDS] {
+        let mut diff = 0u64;
+        for i in half {
+            diff |= label.0[i].load(Relaxed) ^ word(i);
+        }
+        if diff != 0 {
+            return false;
+        }
+    }
+    true
 }
 
 /// Length of the common prefix of `label` (first `len` bytes) and `rest`.
@@ -332,7 +442,7 @@ impl PrefixTrie {
         let dir = Box::into_raw(Dir::with_len(1));
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
-            writer: Mutex::new(Writer {
+            writer: Padded(Mutex::new(Writer {
                 wm: Vec::new(),
                 free: NIL,
                 lru_head: NIL,
@@ -345,14 +455,10 @@ impl PrefixTrie {
                 dir_len: 1,
                 retired: Vec::new(),
                 retired_bytes: 0,
-            }),
+            })),
             k,
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
-            nodes: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            prompts: AtomicUsize::new(0),
-            evictions: AtomicU64::new(0),
-            mem: AtomicUsize::new(0),
+            stats: Padded(Stats::default()),
         };
         {
             let mut g = t.writer.lock();
@@ -397,7 +503,9 @@ impl PrefixTrie {
         if !prompt.is_empty() {
             let walk = match seen {
                 Some(w) if cx.meta(w.node).ver.load(Relaxed) == w.ver => w,
-                _ => self.walk(prompt).expect("no concurrent writer under the lock"),
+                _ => self
+                    .walk(prompt)
+                    .expect("no concurrent writer under the lock"),
             };
             cx.apply(prompt, walk);
         }
@@ -407,22 +515,22 @@ impl PrefixTrie {
 
     /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
     pub fn node_count(&self) -> usize {
-        self.nodes.load(Relaxed)
+        self.stats.nodes.load(Relaxed)
     }
 
     /// Bytes of edge labels stored (= distinct non-empty prefixes of the stored prompts).
     pub fn byte_count(&self) -> usize {
-        self.bytes.load(Relaxed)
+        self.stats.bytes.load(Relaxed)
     }
 
     /// Distinct prompts stored.
     pub fn prompt_count(&self) -> usize {
-        self.prompts.load(Relaxed)
+        self.stats.prompts.load(Relaxed)
     }
 
     /// Prompts pruned by the node cap since creation.
     pub fn evictions(&self) -> u64 {
-        self.evictions.load(Relaxed)
+        self.stats.evictions.load(Relaxed)
     }
 
     /// Current node ceiling.
@@ -442,7 +550,7 @@ impl PrefixTrie {
 
     /// Heap bytes held by the trie (segments, directories, writer bookkeeping).
     pub fn memory_bytes(&self) -> usize {
-        self.mem.load(Relaxed)
+        self.stats.mem.load(Relaxed)
     }
 
     #[inline]
@@ -462,6 +570,28 @@ impl PrefixTrie {
         let mut pos = 0usize;
         loop {
             let shape = m.shape.load(Relaxed);
+            // Fast path, most hops of a long prompt: full labels whose only child sits in the
+            // next slot of the same segment. A separate small loop, so it keeps its state in
+            // registers.
+            if shape & CHAIN_MASK == CHAIN_SHAPE {
+                let mut st = Cursor {
+                    pos,
+                    id,
+                    m,
+                    label,
+                    v,
+                };
+                if run_chain(prompt, &mut st)? {
+                    Cursor {
+                        pos,
+                        id,
+                        m,
+                        label,
+                        v,
+                    } = st;
+                    continue;
+                }
+            }
             let len = shape_len(shape);
             if len > LABEL_BYTES || (len == 0 && id != ROOT) {
                 return None;
@@ -477,17 +607,37 @@ impl PrefixTrie {
                 });
             }
             pos += len;
-            let c = find_kid(dir, m, shape, prompt[pos]);
-            if c == NIL {
-                return read_valid(m, v).then_some(Walk {
-                    pos,
-                    node: id,
-                    ver: v,
-                    off: len,
-                    len,
-                });
+            let key = prompt[pos];
+            let (c, cm, cl);
+            if shape_nkids(shape) == 1 && shape_key0(shape) == key {
+                c = m.kid[0].load(Relaxed);
+                if c == id.wrapping_add(1) && c as usize & (SEG_SLOTS - 1) != 0 {
+                    // Chain nodes are usually allocated back to back: step to the next slot of
+                    // the same segment by address, so the next hop's loads need not wait for
+                    // this `kid` load (the CPU predicts the branch and runs ahead).
+                    // SAFETY: `m`/`label` are entry `id & (SEG_SLOTS-1)` of their segment's
+                    // arrays and `c`'s index (that + 1) is non-zero, so `id`'s index is below
+                    // SEG_SLOTS - 1 and the next entry is in bounds of the same array.
+                    unsafe {
+                        cm = &*(m as *const Meta).add(1);
+                        cl = &*(label as *const Label).add(1);
+                    }
+                } else {
+                    (cm, cl) = dir.slot(c)?;
+                }
+            } else {
+                c = find_kid(dir, m, shape, key);
+                if c == NIL {
+                    return read_valid(m, v).then_some(Walk {
+                        pos,
+                        node: id,
+                        ver: v,
+                        off: len,
+                        len,
+                    });
+                }
+                (cm, cl) = dir.slot(c)?;
             }
-            let (cm, cl) = dir.slot(c)?;
             let cv = read_begin(cm)?;
             if !read_valid(m, v) {
                 return None;
@@ -499,7 +649,7 @@ impl PrefixTrie {
 
 impl Drop for PrefixTrie {
     fn drop(&mut self) {
-        let w = self.writer.get_mut();
+        let w = self.writer.0.get_mut();
         let dir = *self.dir.get_mut();
         // SAFETY: `&mut self`: no readers or writers remain. Every segment pointer in the
         // current directory was allocated by `Segment` allocation below and appears once there
@@ -566,17 +716,17 @@ impl<'a> Ctx<'a> {
 
     fn publish(&self) {
         let t = self.t;
-        t.nodes.store(self.w.nodes, Relaxed);
-        t.bytes.store(self.w.bytes, Relaxed);
-        t.prompts.store(self.w.prompts, Relaxed);
-        t.evictions.store(self.w.evictions, Relaxed);
+        t.stats.nodes.store(self.w.nodes, Relaxed);
+        t.stats.bytes.store(self.w.bytes, Relaxed);
+        t.stats.prompts.store(self.w.prompts, Relaxed);
+        t.stats.evictions.store(self.w.evictions, Relaxed);
         let mem = std::mem::size_of::<PrefixTrie>()
             + self.w.segments * std::mem::size_of::<Segment>()
             + self.w.wm.capacity() * std::mem::size_of::<WMeta>()
             + self.w.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
             + self.w.retired_bytes
             + self.w.retired.capacity() * std::mem::size_of::<*mut Dir>();
-        t.mem.store(mem, Relaxed);
+        t.stats.mem.store(mem, Relaxed);
     }
 
     // ---- slots -------------------------------------------------------------------------
@@ -782,31 +932,36 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    fn kid_remove(&mut self, n: u32, key: u8) {
+    /// Remove child `c` (found by id, so the child's own cold label line is never read).
+    fn kid_remove(&mut self, n: u32, c: u32) {
         let s = self.shape(n);
         let f = shape_nkids(s);
         let len = shape_len(s);
+        let m = self.meta(n);
         match f {
             0 => unreachable!("remove on a leaf"),
-            1 => self.meta(n).shape.store(make_shape(len, 0, 0, 0), Relaxed),
+            1 => {
+                debug_assert_eq!(m.kid[0].load(Relaxed), c);
+                m.shape.store(make_shape(len, 0, 0, 0), Relaxed);
+            }
             2 => {
-                let m = self.meta(n);
-                if shape_key0(s) == key {
+                if m.kid[0].load(Relaxed) == c {
                     m.kid[0].store(m.kid[1].load(Relaxed), Relaxed);
-                    m.shape
-                        .store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
+                    m.shape.store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
                 } else {
-                    m.shape
-                        .store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
+                    debug_assert_eq!(m.kid[1].load(Relaxed), c);
+                    m.shape.store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
                 }
                 m.kid[1].store(NIL, Relaxed);
             }
             3 => {
-                let b = self.meta(n).kid[0].load(Relaxed);
-                let rest: Vec<(u8, u32)> =
-                    self.kids(n).into_iter().filter(|&(k, _)| k != key).collect();
+                let b = m.kid[0].load(Relaxed);
+                let rest: Vec<(u8, u32)> = self
+                    .kids(n)
+                    .into_iter()
+                    .filter(|&(_, id)| id != c)
+                    .collect();
                 debug_assert_eq!(rest.len(), 2);
-                let m = self.meta(n);
                 m.kid[0].store(rest[0].1, Relaxed);
                 m.kid[1].store(rest[1].1, Relaxed);
                 m.shape
@@ -822,7 +977,7 @@ impl<'a> Ctx<'a> {
                 let (lk, lc) = self.block_get(last, lcnt - 1);
                 'found: for &b in &chain {
                     for i in 0..self.block_count(b) {
-                        if self.block_get(b, i).0 == key {
+                        if self.block_get(b, i).1 == c {
                             self.block_set(b, i, lk, lc);
                             break 'found;
                         }
@@ -837,9 +992,7 @@ impl<'a> Ctx<'a> {
                 } else {
                     self.set_block_count(last, lcnt - 1);
                 }
-                self.meta(n)
-                    .shape
-                    .store(make_shape(len, f - 1, 0, 0), Relaxed);
+                m.shape.store(make_shape(len, f - 1, 0, 0), Relaxed);
             }
         }
     }
@@ -974,7 +1127,9 @@ impl<'a> Ctx<'a> {
         self.kid_replace(p, lab[0], u);
         self.write_label(x, &lab[off..len]);
         let sx = self.shape(x);
-        self.meta(x).shape.store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
+        self.meta(x)
+            .shape
+            .store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
         unlock(self.meta(x));
         unlock(self.meta(p));
         self.w.wm[x as usize].parent = u;
@@ -997,30 +1152,73 @@ impl<'a> Ctx<'a> {
         self.w.wm[t as usize].end &= !TERMINAL;
         self.w.prompts -= 1;
         self.w.evictions += 1;
-        let k = self.t.k;
+        // The next victim's lines are cold (it is the oldest prompt): fetch them now so the
+        // next eviction does not start with a chain of DRAM misses.
+        self.prefetch_slot(self.w.lru_head, 0);
+        if shape_nkids(self.shape(t)) > 0 {
+            self.compress(t);
+            return;
+        }
+        // `t` is a leaf: climb its exclusive run (non-terminal single-child ancestors) up to
+        // the first ancestor `a` another prompt still needs (root, terminal, or branching).
+        let mut top = t;
+        let mut a = self.w.wm[t as usize].parent;
+        while a != ROOT && !self.is_terminal(a) && shape_nkids(self.shape(a)) == 1 {
+            // Chains are allocated back to back, so the climb usually walks down the slots.
+            self.prefetch_slot(a, PREFETCH_AHEAD);
+            top = a;
+            a = self.w.wm[a as usize].parent;
+        }
+        lock(self.meta(a));
+        self.kid_remove(a, top);
+        unlock(self.meta(a));
+        // Free leaf first, so the run's top ends on top of the free stack and a later chain
+        // reuses the run in its original (ascending) order.
         let mut cur = t;
-        while cur != ROOT && !self.is_terminal(cur) {
-            let s = self.shape(cur);
-            match shape_nkids(s) {
-                0 => {
-                    let p = self.w.wm[cur as usize].parent;
-                    let key = self.read_label(cur).0[0];
-                    lock(self.meta(p));
-                    self.kid_remove(p, key);
-                    unlock(self.meta(p));
-                    lock(self.meta(cur));
-                    self.free_locked(cur);
-                    self.w.nodes -= 1;
-                    self.w.bytes -= shape_len(s);
-                    cur = p;
+        loop {
+            let p = self.w.wm[cur as usize].parent;
+            self.w.bytes -= shape_len(self.shape(cur));
+            lock(self.meta(cur));
+            self.free_locked(cur);
+            self.w.nodes -= 1;
+            if cur == top {
+                break;
+            }
+            cur = p;
+        }
+        if a != ROOT && !self.is_terminal(a) {
+            self.compress(a);
+        }
+    }
+
+    /// Merge non-terminal `n` into its only child if nothing requires a node boundary there.
+    fn compress(&mut self, n: u32) {
+        if shape_nkids(self.shape(n)) == 1 && self.end(n) % self.t.k != 0 {
+            self.merge_into_child(n);
+        }
+    }
+
+    /// Hint the CPU to fetch the writer and reader metadata of slots `id - ahead ..= id`.
+    fn prefetch_slot(&self, id: u32, ahead: u32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            if id == NIL {
+                return;
+            }
+            let id = id.saturating_sub(ahead);
+            if let Some((m, _)) = self.t.dir().slot(id) {
+                // SAFETY: prefetching has no memory effects; both addresses are in bounds.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>((m as *const Meta).cast());
+                    if let Some(w) = self.w.wm.get(id as usize) {
+                        _mm_prefetch::<_MM_HINT_T0>((w as *const WMeta).cast());
+                    }
                 }
-                1 if self.end(cur) % k != 0 => {
-                    self.merge_into_child(cur);
-                    break;
-                }
-                _ => break,
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (id, ahead);
     }
 
     /// Fold non-branching, non-terminal `n` into its only child (the child keeps its id).
@@ -1050,7 +1248,6 @@ impl<'a> Ctx<'a> {
     }
 }
 
-
 #[cfg(test)]
 impl PrefixTrie {
     /// Verify every structural invariant under the writer lock; return the stored prompts,
@@ -1078,7 +1275,11 @@ impl PrefixTrie {
                 let len = shape_len(s);
                 assert!((1..=k).contains(&len), "label length {len} of {id}");
                 let start = end - len;
-                assert_eq!(start / k, (end - 1) / k, "label of {id} crosses a chunk boundary");
+                assert_eq!(
+                    start / k,
+                    (end - 1) / k,
+                    "label of {id} crosses a chunk boundary"
+                );
                 nodes += 1;
                 bytes += len;
                 if term {
@@ -1252,7 +1453,11 @@ mod tests {
 
     fn assert_agrees(t: &PrefixTrie, m: &Model, probes: &[Vec<u8>]) {
         let stored = t.check();
-        assert_eq!(stored, Vec::from(m.live.clone()), "stored prompts / LRU order");
+        assert_eq!(
+            stored,
+            Vec::from(m.live.clone()),
+            "stored prompts / LRU order"
+        );
         assert_eq!(t.node_count(), m.slots(), "node count");
         assert_eq!(t.byte_count(), m.bytes(), "byte count");
         assert_eq!(t.prompt_count(), m.live.len());
@@ -1270,7 +1475,10 @@ mod tests {
         let t = PrefixTrie::new(10);
         assert_eq!(t.match_len(b""), 0);
         assert_eq!(t.match_len(b"hello"), 0);
-        assert_eq!((t.node_count(), t.byte_count(), t.prompt_count()), (0, 0, 0));
+        assert_eq!(
+            (t.node_count(), t.byte_count(), t.prompt_count()),
+            (0, 0, 0)
+        );
         t.insert(b"");
         assert_eq!(t.prompt_count(), 0, "empty prompts are not stored");
         t.check();
@@ -1337,8 +1545,8 @@ mod tests {
         t.insert(b"a1");
         t.insert(b"b1");
         t.insert(b"a1"); // refresh: now b1 is the oldest
-        // Root would need a third child plus its overflow block (4 slots): b1, now the oldest,
-        // goes; a1 and c1 fit inline again.
+                         // Root would need a third child plus its overflow block (4 slots): b1, now the oldest,
+                         // goes; a1 and c1 fit inline again.
         t.insert(b"c1");
         assert_eq!(t.check(), vec![b"a1".to_vec(), b"c1".to_vec()]);
         let t = PrefixTrie::with_label_bytes(3, 64);
@@ -1431,7 +1639,9 @@ mod tests {
         // Realistic fill: a shared 2 KiB system prompt, then 64 KiB of conversations growing by
         // ~600-byte turns, unique per conversation. Keeps inserting past the cap.
         let t = PrefixTrie::default();
-        let sys: Vec<u8> = (0..2048u32).map(|i| b"abcdefghij klmnopq"[i as usize % 18]).collect();
+        let sys: Vec<u8> = (0..2048u32)
+            .map(|i| b"abcdefghij klmnopq"[i as usize % 18])
+            .collect();
         let mut stored = 0usize;
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let mut conv = 0u64;
@@ -1497,7 +1707,10 @@ mod tests {
                     history.push(p);
                 }
                 Op::Extend(i, l, x) => {
-                    let mut p = history.get(i % history.len().max(1)).cloned().unwrap_or_default();
+                    let mut p = history
+                        .get(i % history.len().max(1))
+                        .cloned()
+                        .unwrap_or_default();
                     p.truncate(l % (p.len() + 1));
                     p.extend_from_slice(&x);
                     let before: Vec<(Vec<u8>, usize)> =
@@ -1585,7 +1798,10 @@ mod tests {
                 })
             })
             .collect();
-        let all: Vec<Vec<u8>> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        let all: Vec<Vec<u8>> = handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
         for p in &all {
             assert_eq!(t.match_len(p), p.len());
         }
