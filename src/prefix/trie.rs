@@ -38,13 +38,16 @@ const SEG_SLOTS: usize = 1 << SEG_SHIFT;
 /// How many slots ahead the eviction climb prefetches (4 metadata entries share a cache line).
 const PREFETCH_AHEAD: u32 = 8;
 
+/// Extra nodes `PrefixTrie::warm` may visit beyond twice the expected chain length.
+const WARM_SLACK: usize = 16;
+
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).
 const OPTIMISTIC_ATTEMPTS: usize = 4;
 
 const NIL: u32 = u32::MAX;
 const ROOT: u32 = 0;
-/// Bit in `WMeta::end` marking a node where a stored prompt ends.
+/// Bit in `WSlot::end` marking a node where a stored prompt ends.
 const TERMINAL: u32 = 1 << 31;
 
 // `Meta::shape` layout: label length (or a block's entry count), child count, first two keys.
@@ -101,6 +104,7 @@ struct Meta {
 struct Segment {
     labels: [Label; SEG_SLOTS],
     metas: [Meta; SEG_SLOTS],
+    wm: [WSlot; SEG_SLOTS],
 }
 
 /// Segment directory. Replaced (never mutated in place beyond its slots) when it grows; old
@@ -131,29 +135,36 @@ impl Dir {
         let seg = unsafe { &*seg };
         Some((&seg.metas[i], &seg.labels[i]))
     }
+
+    /// The writer bookkeeping of slot `id`, if its segment exists in this directory.
+    #[inline]
+    fn ws(&self, id: u32) -> Option<&WSlot> {
+        let seg = self.segs.get((id >> SEG_SHIFT) as usize)?.load(Acquire);
+        if seg.is_null() {
+            return None;
+        }
+        // SAFETY: as in `slot`.
+        let seg = unsafe { &*seg };
+        Some(&seg.wm[id as usize & (SEG_SLOTS - 1)])
+    }
 }
 
-/// Writer-only per-slot bookkeeping (never read by optimistic readers).
-#[derive(Clone, Copy)]
-struct WMeta {
-    parent: u32,
+/// Writer bookkeeping of one slot. Stored only by the writer under its lock; atomics so that
+/// an inserter may read it racily, without the lock, to warm caches (`PrefixTrie::warm`).
+#[repr(C)]
+struct WSlot {
+    parent: AtomicU32,
     /// LRU neighbours for terminal nodes; `next` links the free list for free slots.
-    prev: u32,
-    next: u32,
+    prev: AtomicU32,
+    next: AtomicU32,
     /// Depth of the node's last label byte, `TERMINAL` bit if a stored prompt ends here.
-    end: u32,
+    end: AtomicU32,
 }
-
-const WMETA_EMPTY: WMeta = WMeta {
-    parent: NIL,
-    prev: NIL,
-    next: NIL,
-    end: 0,
-};
 
 /// Everything only the (single) writer touches.
 struct Writer {
-    wm: Vec<WMeta>,
+    /// Slots ever handed out (the arena's high-water mark).
+    high: usize,
     free: u32,
     lru_head: u32,
     lru_tail: u32,
@@ -196,6 +207,9 @@ struct Stats {
     prompts: AtomicUsize,
     evictions: AtomicU64,
     mem: AtomicUsize,
+    /// Hints for `warm`: the oldest prompt's terminal node and the top of the free stack.
+    lru_head: AtomicU32,
+    free_head: AtomicU32,
 }
 
 /// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
@@ -257,6 +271,19 @@ fn lock(m: &Meta) {
 fn unlock(m: &Meta) {
     let v = m.ver.load(Relaxed);
     m.ver.store(v.wrapping_add(1), Release);
+}
+
+/// Ask the CPU to bring `r`'s cache line in, exclusive, ahead of a store.
+#[inline(always)]
+fn prefetch_for_write<T>(r: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching has no architectural memory effects.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        _mm_prefetch::<_MM_HINT_ET0>((r as *const T).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }
 
 /// `shape` bits of a full-label node with exactly one child (the walk's fast path).
@@ -385,11 +412,13 @@ fn load_word(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
-/// Child of a node for first byte `key`, `NIL` if none. May return garbage on torn reads; the
-/// caller validates the node's version before trusting the answer.
+/// Child of a node for first byte `key`: `Some(NIL)` if it has none, `None` if the read could
+/// not be completed (torn state, or a block in a segment newer than the reader's directory
+/// snapshot) and the walk must restart. May return garbage on torn reads; the caller validates
+/// the node's version before trusting the answer.
 #[inline]
-fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> u32 {
-    match shape_nkids(shape) {
+fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> Option<u32> {
+    Some(match shape_nkids(shape) {
         0 => NIL,
         1 => {
             if shape_key0(shape) == key {
@@ -410,24 +439,26 @@ fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> u32 {
         _ => {
             let mut b = m.kid[0].load(Relaxed);
             for _ in 0..MAX_BLOCKS {
-                let Some((bm, bl)) = dir.slot(b) else {
-                    return NIL;
-                };
-                let count = shape_len(bm.shape.load(Relaxed)).min(KIDS_PER_BLOCK);
+                // A block this directory cannot see is not an absent child: retry.
+                let (bm, bl) = dir.slot(b)?;
+                let count = shape_len(bm.shape.load(Relaxed));
+                if count > KIDS_PER_BLOCK {
+                    return None;
+                }
                 let keys = [bl.0[0].load(Relaxed), bl.0[1].load(Relaxed)];
                 for i in 0..count {
                     if (keys[i / 8] >> (8 * (i % 8))) as u8 == key {
-                        return (bl.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32;
+                        return Some((bl.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32);
                     }
                 }
                 b = bm.kid[0].load(Relaxed);
                 if b == NIL {
-                    return NIL;
+                    return Some(NIL);
                 }
             }
-            NIL
+            return None;
         }
-    }
+    })
 }
 
 impl PrefixTrie {
@@ -443,7 +474,7 @@ impl PrefixTrie {
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
             writer: Padded(Mutex::new(Writer {
-                wm: Vec::new(),
+                high: 0,
                 free: NIL,
                 lru_head: NIL,
                 lru_tail: NIL,
@@ -498,6 +529,9 @@ impl PrefixTrie {
                 }
             }
         }
+        if let Some(w) = seen {
+            self.warm((prompt.len() - w.pos) / self.k + 2);
+        }
         let mut g = self.writer.lock();
         let mut cx = Ctx { t: self, w: &mut g };
         if !prompt.is_empty() {
@@ -551,6 +585,51 @@ impl PrefixTrie {
     /// Heap bytes held by the trie (segments, directories, writer bookkeeping).
     pub fn memory_bytes(&self) -> usize {
         self.stats.mem.load(Relaxed)
+    }
+
+    /// Before taking the writer lock: touch the cold lines the locked section is about to use
+    /// (the free slots a chain of `new_slots` nodes will take, and the runs of the next eviction
+    /// victims), so their cache misses overlap other threads' work instead of lengthening the
+    /// critical section. Follows racy hints and only reads atomics: it can slow nothing but
+    /// itself and never affects correctness.
+    fn warm(&self, new_slots: usize) {
+        let dir = self.dir();
+        let mut f = self.stats.free_head.load(Relaxed);
+        for _ in 0..new_slots {
+            let (Some((m, l)), Some(w)) = (dir.slot(f), dir.ws(f)) else {
+                break;
+            };
+            prefetch_for_write(l);
+            prefetch_for_write(m);
+            f = w.next.load(Relaxed);
+        }
+        if self.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
+            return;
+        }
+        // Visit about as many nodes as the insert will need freed, plus slack for prompts
+        // whose eviction frees nothing (their path is shared with a newer prompt).
+        let mut budget = 2 * new_slots + WARM_SLACK;
+        let mut victim = self.stats.lru_head.load(Relaxed);
+        while budget > 0 {
+            let Some(vw) = dir.ws(victim) else {
+                return;
+            };
+            let mut a = victim;
+            while budget > 0 {
+                let (Some((m, _)), Some(w)) = (dir.slot(a), dir.ws(a)) else {
+                    return;
+                };
+                budget -= 1;
+                let parent = w.parent.load(Relaxed);
+                let branching = shape_nkids(m.shape.load(Relaxed)) > 1;
+                let terminal = a != victim && w.end.load(Relaxed) & TERMINAL != 0;
+                if a == ROOT || branching || terminal {
+                    break;
+                }
+                a = parent;
+            }
+            victim = vw.next.load(Relaxed);
+        }
     }
 
     #[inline]
@@ -626,7 +705,7 @@ impl PrefixTrie {
                     (cm, cl) = dir.slot(c)?;
                 }
             } else {
-                c = find_kid(dir, m, shape, key);
+                c = find_kid(dir, m, shape, key)?;
                 if c == NIL {
                     return read_valid(m, v).then_some(Walk {
                         pos,
@@ -688,12 +767,33 @@ impl<'a> Ctx<'a> {
         self.meta(id).shape.load(Relaxed)
     }
 
+    fn ws(&self, id: u32) -> &'a WSlot {
+        self.t.dir().ws(id).expect("writer-side slot id in range")
+    }
+
+    fn parent(&self, id: u32) -> u32 {
+        self.ws(id).parent.load(Relaxed)
+    }
+
+    fn set_parent(&self, id: u32, p: u32) {
+        self.ws(id).parent.store(p, Relaxed);
+    }
+
     fn end(&self, id: u32) -> usize {
-        (self.w.wm[id as usize].end & !TERMINAL) as usize
+        (self.ws(id).end.load(Relaxed) & !TERMINAL) as usize
     }
 
     fn is_terminal(&self, id: u32) -> bool {
-        self.w.wm[id as usize].end & TERMINAL != 0
+        self.ws(id).end.load(Relaxed) & TERMINAL != 0
+    }
+
+    /// Reset the bookkeeping of a newly placed node.
+    fn init_ws(&self, id: u32, parent: u32, end: usize) {
+        let w = self.ws(id);
+        w.parent.store(parent, Relaxed);
+        w.prev.store(NIL, Relaxed);
+        w.next.store(NIL, Relaxed);
+        w.end.store(end as u32, Relaxed);
     }
 
     fn read_label(&self, id: u32) -> ([u8; LABEL_BYTES], usize) {
@@ -722,11 +822,12 @@ impl<'a> Ctx<'a> {
         t.stats.evictions.store(self.w.evictions, Relaxed);
         let mem = std::mem::size_of::<PrefixTrie>()
             + self.w.segments * std::mem::size_of::<Segment>()
-            + self.w.wm.capacity() * std::mem::size_of::<WMeta>()
             + self.w.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
             + self.w.retired_bytes
             + self.w.retired.capacity() * std::mem::size_of::<*mut Dir>();
         t.stats.mem.store(mem, Relaxed);
+        t.stats.lru_head.store(self.w.lru_head, Relaxed);
+        t.stats.free_head.store(self.w.free, Relaxed);
     }
 
     // ---- slots -------------------------------------------------------------------------
@@ -734,16 +835,15 @@ impl<'a> Ctx<'a> {
     fn alloc(&mut self) -> u32 {
         if self.w.free != NIL {
             let id = self.w.free;
-            self.w.free = self.w.wm[id as usize].next;
-            self.w.wm[id as usize] = WMETA_EMPTY;
+            self.w.free = self.ws(id).next.load(Relaxed);
             return id;
         }
-        let id = self.w.wm.len();
+        let id = self.w.high;
         assert!(id < NIL as usize, "trie slot ids exhausted");
-        if id % SEG_SLOTS == 0 {
+        if id.is_multiple_of(SEG_SLOTS) {
             self.add_segment(id >> SEG_SHIFT);
         }
-        self.w.wm.push(WMETA_EMPTY);
+        self.w.high += 1;
         id as u32
     }
 
@@ -770,7 +870,6 @@ impl<'a> Ctx<'a> {
         }
         self.t.dir().segs[seg].store(p, Release);
         self.w.segments += 1;
-        self.w.wm.reserve_exact(SEG_SLOTS);
     }
 
     /// Free a slot that the caller has already locked.
@@ -778,10 +877,8 @@ impl<'a> Ctx<'a> {
         let m = self.meta(id);
         m.shape.store(0, Relaxed);
         unlock(m);
-        self.w.wm[id as usize] = WMeta {
-            next: self.w.free,
-            ..WMETA_EMPTY
-        };
+        self.init_ws(id, NIL, 0);
+        self.ws(id).next.store(self.w.free, Relaxed);
         self.w.free = id;
     }
 
@@ -1001,28 +1098,29 @@ impl<'a> Ctx<'a> {
 
     fn lru_push_back(&mut self, id: u32) {
         let tail = self.w.lru_tail;
-        let e = &mut self.w.wm[id as usize];
-        e.prev = tail;
-        e.next = NIL;
+        let e = self.ws(id);
+        e.prev.store(tail, Relaxed);
+        e.next.store(NIL, Relaxed);
         if tail == NIL {
             self.w.lru_head = id;
         } else {
-            self.w.wm[tail as usize].next = id;
+            self.ws(tail).next.store(id, Relaxed);
         }
         self.w.lru_tail = id;
     }
 
     fn lru_remove(&mut self, id: u32) {
-        let WMeta { prev, next, .. } = self.w.wm[id as usize];
+        let e = self.ws(id);
+        let (prev, next) = (e.prev.load(Relaxed), e.next.load(Relaxed));
         if prev == NIL {
             self.w.lru_head = next;
         } else {
-            self.w.wm[prev as usize].next = next;
+            self.ws(prev).next.store(next, Relaxed);
         }
         if next == NIL {
             self.w.lru_tail = prev;
         } else {
-            self.w.wm[next as usize].prev = prev;
+            self.ws(next).prev.store(prev, Relaxed);
         }
     }
 
@@ -1033,7 +1131,7 @@ impl<'a> Ctx<'a> {
                 self.lru_push_back(id);
             }
         } else {
-            self.w.wm[id as usize].end |= TERMINAL;
+            self.ws(id).end.fetch_or(TERMINAL, Relaxed);
             self.lru_push_back(id);
             self.w.prompts += 1;
         }
@@ -1065,10 +1163,10 @@ impl<'a> Ctx<'a> {
             lock(m);
             self.kid_add(x, key, first);
             unlock(self.meta(x));
-            self.w.wm[first as usize].parent = x;
+            self.set_parent(first, x);
         } else {
             let u = self.split(x, off, Some((key, first)));
-            self.w.wm[first as usize].parent = u;
+            self.set_parent(first, u);
         }
         self.mark_terminal(last);
     }
@@ -1090,11 +1188,7 @@ impl<'a> Ctx<'a> {
             m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
             m.kid[0].store(next, Relaxed);
             m.kid[1].store(NIL, Relaxed);
-            self.w.wm[id as usize] = WMeta {
-                parent,
-                end: end as u32,
-                ..WMETA_EMPTY
-            };
+            self.init_ws(id, parent, end);
             self.w.nodes += 1;
             self.w.bytes += chunk.len();
             if last {
@@ -1108,7 +1202,7 @@ impl<'a> Ctx<'a> {
     /// (`x` keeps its id, end depth and subtree). `extra` becomes the upper node's second child.
     fn split(&mut self, x: u32, off: usize, extra: Option<(u8, u32)>) -> u32 {
         let (lab, len) = self.read_label(x);
-        let p = self.w.wm[x as usize].parent;
+        let p = self.parent(x);
         let u = self.alloc();
         self.write_label(u, &lab[..off]);
         let (nk, k1, c1) = extra.map_or((1, 0, NIL), |(k, c)| (2, k, c));
@@ -1116,11 +1210,7 @@ impl<'a> Ctx<'a> {
         mu.shape.store(make_shape(off, nk, lab[off], k1), Relaxed);
         mu.kid[0].store(x, Relaxed);
         mu.kid[1].store(c1, Relaxed);
-        self.w.wm[u as usize] = WMeta {
-            parent: p,
-            end: (self.end(x) - (len - off)) as u32,
-            ..WMETA_EMPTY
-        };
+        self.init_ws(u, p, self.end(x) - (len - off));
         let (mp, mx) = (self.meta(p), self.meta(x));
         lock(mp);
         lock(mx);
@@ -1132,7 +1222,7 @@ impl<'a> Ctx<'a> {
             .store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
         unlock(self.meta(x));
         unlock(self.meta(p));
-        self.w.wm[x as usize].parent = u;
+        self.set_parent(x, u);
         self.w.nodes += 1;
         u
     }
@@ -1149,7 +1239,7 @@ impl<'a> Ctx<'a> {
     fn evict_oldest(&mut self) {
         let t = self.w.lru_head;
         self.lru_remove(t);
-        self.w.wm[t as usize].end &= !TERMINAL;
+        self.ws(t).end.fetch_and(!TERMINAL, Relaxed);
         self.w.prompts -= 1;
         self.w.evictions += 1;
         // The next victim's lines are cold (it is the oldest prompt): fetch them now so the
@@ -1162,12 +1252,12 @@ impl<'a> Ctx<'a> {
         // `t` is a leaf: climb its exclusive run (non-terminal single-child ancestors) up to
         // the first ancestor `a` another prompt still needs (root, terminal, or branching).
         let mut top = t;
-        let mut a = self.w.wm[t as usize].parent;
+        let mut a = self.parent(t);
         while a != ROOT && !self.is_terminal(a) && shape_nkids(self.shape(a)) == 1 {
             // Chains are allocated back to back, so the climb usually walks down the slots.
             self.prefetch_slot(a, PREFETCH_AHEAD);
             top = a;
-            a = self.w.wm[a as usize].parent;
+            a = self.parent(a);
         }
         lock(self.meta(a));
         self.kid_remove(a, top);
@@ -1176,7 +1266,7 @@ impl<'a> Ctx<'a> {
         // reuses the run in its original (ascending) order.
         let mut cur = t;
         loop {
-            let p = self.w.wm[cur as usize].parent;
+            let p = self.parent(cur);
             self.w.bytes -= shape_len(self.shape(cur));
             lock(self.meta(cur));
             self.free_locked(cur);
@@ -1193,7 +1283,7 @@ impl<'a> Ctx<'a> {
 
     /// Merge non-terminal `n` into its only child if nothing requires a node boundary there.
     fn compress(&mut self, n: u32) {
-        if shape_nkids(self.shape(n)) == 1 && self.end(n) % self.t.k != 0 {
+        if shape_nkids(self.shape(n)) == 1 && !self.end(n).is_multiple_of(self.t.k) {
             self.merge_into_child(n);
         }
     }
@@ -1211,8 +1301,8 @@ impl<'a> Ctx<'a> {
                 // SAFETY: prefetching has no memory effects; both addresses are in bounds.
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>((m as *const Meta).cast());
-                    if let Some(w) = self.w.wm.get(id as usize) {
-                        _mm_prefetch::<_MM_HINT_T0>((w as *const WMeta).cast());
+                    if let Some(w) = self.t.dir().ws(id) {
+                        _mm_prefetch::<_MM_HINT_T0>((w as *const WSlot).cast());
                     }
                 }
             }
@@ -1224,7 +1314,7 @@ impl<'a> Ctx<'a> {
     /// Fold non-branching, non-terminal `n` into its only child (the child keeps its id).
     fn merge_into_child(&mut self, n: u32) {
         let c = self.meta(n).kid[0].load(Relaxed);
-        let p = self.w.wm[n as usize].parent;
+        let p = self.parent(n);
         let (nl, nlen) = self.read_label(n);
         let (cl, clen) = self.read_label(c);
         debug_assert!(nlen + clen <= self.t.k);
@@ -1243,7 +1333,7 @@ impl<'a> Ctx<'a> {
         unlock(self.meta(c));
         self.free_locked(n);
         unlock(self.meta(p));
-        self.w.wm[c as usize].parent = p;
+        self.set_parent(c, p);
         self.w.nodes -= 1;
     }
 }
@@ -1286,7 +1376,10 @@ impl PrefixTrie {
                     terminals += 1;
                     paths.insert(id, path.clone());
                 } else {
-                    assert!(f >= 2 || (f == 1 && end % k == 0), "redundant node {id}");
+                    assert!(
+                        f >= 2 || (f == 1 && end.is_multiple_of(k)),
+                        "redundant node {id}"
+                    );
                 }
             } else {
                 assert_eq!(shape_len(s), 0);
@@ -1312,12 +1405,12 @@ impl PrefixTrie {
             let keys: HashSet<u8> = kids.iter().map(|&(k, _)| k).collect();
             assert_eq!(keys.len(), f, "duplicate child keys under {id}");
             for (key, c) in kids {
-                assert_eq!(cx.w.wm[c as usize].parent, id, "parent of {c}");
+                assert_eq!(cx.parent(c), id, "parent of {c}");
                 let (lab, len) = cx.read_label(c);
                 assert_eq!(lab[0], key, "key of {c}");
                 // Through the reader's lookup as well.
                 let d = self.dir();
-                assert_eq!(find_kid(d, m, s, key), c);
+                assert_eq!(find_kid(d, m, s, key), Some(c));
                 let mut p = path.clone();
                 p.extend_from_slice(&lab[..len]);
                 stack.push((c, p));
@@ -1331,15 +1424,15 @@ impl PrefixTrie {
         while f != NIL {
             assert!(!seen.contains(&f), "free slot {f} reachable");
             free += 1;
-            f = cx.w.wm[f as usize].next;
+            f = cx.ws(f).next.load(Relaxed);
         }
-        assert_eq!(free + seen.len(), cx.w.wm.len(), "slots leaked");
+        assert_eq!(free + seen.len(), cx.w.high, "slots leaked");
         let mut out = Vec::new();
         let (mut cur, mut prev) = (cx.w.lru_head, NIL);
         while cur != NIL {
-            assert_eq!(cx.w.wm[cur as usize].prev, prev, "lru back link");
+            assert_eq!(cx.ws(cur).prev.load(Relaxed), prev, "lru back link");
             out.push(paths.remove(&cur).expect("lru entry is a live terminal"));
-            (prev, cur) = (cur, cx.w.wm[cur as usize].next);
+            (prev, cur) = (cur, cx.ws(cur).next.load(Relaxed));
         }
         assert_eq!(prev, cx.w.lru_tail);
         assert!(paths.is_empty(), "terminal missing from lru");
@@ -1680,6 +1773,8 @@ mod tests {
         Insert(Vec<u8>),
         /// Re-insert a prefix of an earlier prompt extended by new bytes (a conversation turn).
         Extend(usize, usize, Vec<u8>),
+        /// Re-insert an earlier prompt exactly (refreshes its LRU position).
+        Reinsert(usize),
         Match(Vec<u8>),
         SetCap(usize),
     }
@@ -1689,6 +1784,7 @@ mod tests {
         prop_oneof![
             4 => s().prop_map(Op::Insert),
             4 => (any::<usize>(), any::<usize>(), s()).prop_map(|(i, l, x)| Op::Extend(i, l, x)),
+            3 => any::<usize>().prop_map(Op::Reinsert),
             3 => s().prop_map(Op::Match),
             1 => (0..=max_cap).prop_map(Op::SetCap),
         ]
@@ -1724,6 +1820,12 @@ mod tests {
                         }
                     }
                     history.push(p);
+                }
+                Op::Reinsert(i) => {
+                    if let Some(p) = history.get(i % history.len().max(1)).cloned() {
+                        t.insert(&p);
+                        m.insert(&p);
+                    }
                 }
                 Op::Match(q) => probes.push(q),
                 Op::SetCap(c) => {
@@ -1811,6 +1913,41 @@ mod tests {
         want.sort();
         want.dedup();
         assert_eq!(stored, want);
+    }
+
+    #[test]
+    fn optimistic_reads_never_validate_a_short_match() {
+        // Regression: a child block in a segment allocated after a reader's directory snapshot
+        // was reported as an absent child, and the (unchanged) parent validated the short match.
+        // Many fresh segments (label chunk 8) and wide fan-out make that window common.
+        for round in 0..12u64 {
+            let t = Arc::new(PrefixTrie::with_label_bytes(1 << 20, 8));
+            let sys = b"shared system prompt ".repeat(10);
+            let handles: Vec<_> = (0..4u64)
+                .map(|th| {
+                    let (t, sys) = (t.clone(), sys.clone());
+                    std::thread::spawn(move || {
+                        for i in 0..300u64 {
+                            let seed = round * 100_000 + th * 1000 + i;
+                            let p = prompt(seed, &sys, 20 + (i as usize % 50));
+                            t.insert(&p);
+                            let n = t.match_len(&p);
+                            if n != p.len() {
+                                let locked = {
+                                    let _g = t.writer.lock();
+                                    t.walk(&p).map(|w| w.pos)
+                                };
+                                panic!("round {round}: saw {n} of {}, locked {locked:?}", p.len());
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            t.check();
+        }
     }
 
     #[test]
