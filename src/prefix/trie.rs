@@ -30,7 +30,7 @@ const MAX_FANOUT: usize = 256;
 /// Longest overflow block chain a node can have; bounds optimistic readers on torn state.
 const MAX_BLOCKS: usize = MAX_FANOUT.div_ceil(KIDS_PER_BLOCK);
 
-/// log2 of slots per arena segment: 1024 slots = 80 KiB of shared memory per segment, small
+/// log2 of slots per arena segment: 1024 slots = 96 KiB per segment, small
 /// enough that an idle target's trie costs little, large enough that the directory stays tiny.
 const SEG_SHIFT: u32 = 10;
 const SEG_SLOTS: usize = 1 << SEG_SHIFT;
@@ -149,8 +149,9 @@ impl Dir {
     }
 }
 
-/// Writer bookkeeping of one slot. Stored only by the writer under its lock; atomics so that
-/// an inserter may read it racily, without the lock, to warm caches (`PrefixTrie::warm`).
+/// Writer bookkeeping of one slot, never read by matchers. Stored under the writer lock, or by
+/// whoever holds the slot while it is unlinked (allocator, chain prebuild); atomics so that an
+/// inserter may read it racily, without the lock, to warm caches (`PrefixTrie::warm`).
 #[repr(C)]
 struct WSlot {
     parent: AtomicU32,
@@ -163,19 +164,39 @@ struct WSlot {
 
 /// Everything only the (single) writer touches.
 struct Writer {
-    /// Slots ever handed out (the arena's high-water mark).
-    high: usize,
-    free: u32,
     lru_head: u32,
     lru_tail: u32,
     nodes: usize,
     bytes: usize,
     prompts: usize,
     evictions: u64,
+    /// Slots freed by the current critical section, linked through `WSlot::next` in the order
+    /// they should be reused; handed to the allocator once, at the end.
+    freed_head: u32,
+    freed_tail: u32,
+}
+
+/// Slot allocator: free stack, high-water mark and arena growth. Its own short lock, so an
+/// inserter can allocate and fill its new chain before taking the writer lock. Lock order:
+/// writer, then allocator.
+struct Allocator {
+    /// Top of the free stack, linked through `WSlot::next`.
+    free: u32,
+    /// Slots ever handed out (the arena's high-water mark).
+    high: usize,
     segments: usize,
     dir_len: usize,
     retired: Vec<*mut Dir>,
     retired_bytes: usize,
+}
+
+/// A new chain of nodes, filled but not yet linked into the trie.
+struct Chain {
+    first: u32,
+    last: u32,
+    /// Depth of its first byte.
+    d: usize,
+    nodes: usize,
 }
 
 /// Where a walk stopped: `pos` bytes matched, the last `off` of them inside `node`'s label.
@@ -196,6 +217,7 @@ pub struct PrefixTrie {
     k: usize,
     max_nodes: AtomicUsize,
     writer: Padded<Mutex<Writer>>,
+    alloc: Padded<Mutex<Allocator>>,
     stats: Padded<Stats>,
 }
 
@@ -207,9 +229,8 @@ struct Stats {
     prompts: AtomicUsize,
     evictions: AtomicU64,
     mem: AtomicUsize,
-    /// Hints for `warm`: the oldest prompt's terminal node and the top of the free stack.
+    /// Hint for `warm`: the oldest prompt's terminal node.
     lru_head: AtomicU32,
-    free_head: AtomicU32,
 }
 
 /// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
@@ -223,8 +244,8 @@ impl<T> std::ops::Deref for Padded<T> {
     }
 }
 
-// SAFETY: all shared state is atomics or behind the mutex; the raw `Dir`/`Segment` pointers are
-// owned by the trie, written only under the writer lock and freed only in `Drop`.
+// SAFETY: all shared state is atomics or behind the mutexes; the raw `Dir`/`Segment` pointers
+// are owned by the trie, replaced only under the allocator lock and freed only in `Drop`.
 unsafe impl Send for PrefixTrie {}
 // SAFETY: as above; readers only load atomics through `&self`.
 unsafe impl Sync for PrefixTrie {}
@@ -271,19 +292,6 @@ fn lock(m: &Meta) {
 fn unlock(m: &Meta) {
     let v = m.ver.load(Relaxed);
     m.ver.store(v.wrapping_add(1), Release);
-}
-
-/// Ask the CPU to bring `r`'s cache line in, exclusive, ahead of a store.
-#[inline(always)]
-fn prefetch_for_write<T>(r: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching has no architectural memory effects.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
-        _mm_prefetch::<_MM_HINT_ET0>((r as *const T).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = r;
 }
 
 /// `shape` bits of a full-label node with exactly one child (the walk's fast path).
@@ -407,6 +415,15 @@ fn common_prefix(label: &Label, rest: &[u8], len: usize) -> usize {
     max
 }
 
+/// Store `bytes` (at most `LABEL_BYTES`) as a label, zero-padded.
+fn store_label(l: &Label, bytes: &[u8]) {
+    let mut buf = [0u8; LABEL_BYTES];
+    buf[..bytes.len()].copy_from_slice(bytes);
+    for (i, w) in l.0.iter().enumerate() {
+        w.store(load_word(&buf, i * 8), Relaxed);
+    }
+}
+
 #[inline(always)]
 fn load_word(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
@@ -474,14 +491,18 @@ impl PrefixTrie {
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
             writer: Padded(Mutex::new(Writer {
-                high: 0,
-                free: NIL,
                 lru_head: NIL,
                 lru_tail: NIL,
                 nodes: 0,
                 bytes: 0,
                 prompts: 0,
                 evictions: 0,
+                freed_head: NIL,
+                freed_tail: NIL,
+            })),
+            alloc: Padded(Mutex::new(Allocator {
+                free: NIL,
+                high: 0,
                 segments: 0,
                 dir_len: 1,
                 retired: Vec::new(),
@@ -491,13 +512,11 @@ impl PrefixTrie {
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
             stats: Padded(Stats::default()),
         };
-        {
-            let mut g = t.writer.lock();
-            let mut cx = Ctx { t: &t, w: &mut g };
-            let root = cx.alloc();
-            debug_assert_eq!(root, ROOT);
-            cx.publish();
-        }
+        let root = t.take_slots(1);
+        debug_assert_eq!(root, ROOT);
+        let w = t.wslot(ROOT);
+        w.parent.store(NIL, Relaxed);
+        w.next.store(NIL, Relaxed);
         t
     }
 
@@ -529,8 +548,12 @@ impl PrefixTrie {
                 }
             }
         }
-        if let Some(w) = seen {
-            self.warm((prompt.len() - w.pos) / self.k + 2);
+        // Build the new suffix before taking the writer lock: it is private until linked.
+        let chain = seen
+            .filter(|w| w.pos < prompt.len())
+            .map(|w| self.prebuild(&prompt[w.pos..], w.pos));
+        if let Some(c) = &chain {
+            self.warm(c.nodes);
         }
         let mut g = self.writer.lock();
         let mut cx = Ctx { t: self, w: &mut g };
@@ -541,10 +564,145 @@ impl PrefixTrie {
                     .walk(prompt)
                     .expect("no concurrent writer under the lock"),
             };
-            cx.apply(prompt, walk);
+            cx.apply(prompt, walk, chain);
         }
         cx.evict_to(self.max_nodes());
         cx.publish();
+    }
+
+    /// Allocate and fill the chain for `bytes`, which start at depth `d`.
+    fn prebuild(&self, bytes: &[u8], d: usize) -> Chain {
+        let head = self.take_slots(self.chain_len(d, bytes.len()));
+        self.fill_chain(bytes, d, head)
+    }
+
+    /// Nodes needed for `n` bytes starting at depth `d` (cut at multiples of `k`).
+    fn chain_len(&self, d: usize, n: usize) -> usize {
+        let first_end = (d + n).min((d / self.k + 1) * self.k);
+        1 + (d + n - first_end).div_ceil(self.k)
+    }
+
+    /// Write the chain for `bytes` (from depth `d`) into the slot list at `head` (exactly
+    /// `chain_len` slots linked through `WSlot::next`). The nodes stay unreachable until linked.
+    fn fill_chain(&self, bytes: &[u8], d: usize, head: u32) -> Chain {
+        let k = self.k;
+        let end_all = d + bytes.len();
+        let (mut id, mut parent, mut depth, mut nodes) = (head, NIL, d, 0);
+        loop {
+            let end = end_all.min((depth / k + 1) * k);
+            let chunk = &bytes[depth - d..end - d];
+            let w = self.wslot(id);
+            let next = w.next.load(Relaxed);
+            let last = end == end_all;
+            debug_assert_eq!(last, next == NIL, "slot list length");
+            let (m, l) = self.slot_at(id);
+            store_label(l, chunk);
+            let (nk, key) = if last { (0, 0) } else { (1, bytes[end - d]) };
+            m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
+            m.kid[0].store(next, Relaxed);
+            m.kid[1].store(NIL, Relaxed);
+            w.parent.store(parent, Relaxed);
+            w.prev.store(NIL, Relaxed);
+            w.next.store(NIL, Relaxed);
+            w.end.store(end as u32, Relaxed);
+            nodes += 1;
+            if last {
+                return Chain {
+                    first: head,
+                    last: id,
+                    d,
+                    nodes,
+                };
+            }
+            (parent, id, depth) = (id, next, end);
+        }
+    }
+
+    /// `n` slots from the allocator, linked through `WSlot::next` (NIL-terminated), most
+    /// recently freed first (so a run freed together is reused in its original order).
+    fn take_slots(&self, n: usize) -> u32 {
+        debug_assert!(n > 0);
+        let mut a = self.alloc.lock();
+        let (mut head, mut tail, mut got) = (NIL, NIL, 0);
+        if a.free != NIL {
+            (head, tail, got) = (a.free, a.free, 1);
+            while got < n {
+                let nx = self.wslot(tail).next.load(Relaxed);
+                if nx == NIL {
+                    break;
+                }
+                (tail, got) = (nx, got + 1);
+            }
+            a.free = self.wslot(tail).next.load(Relaxed);
+            self.wslot(tail).next.store(NIL, Relaxed);
+        }
+        while got < n {
+            let id = self.fresh_slot(&mut a);
+            self.wslot(id).next.store(NIL, Relaxed);
+            if head == NIL {
+                head = id;
+            } else {
+                self.wslot(tail).next.store(id, Relaxed);
+            }
+            (tail, got) = (id, got + 1);
+        }
+        head
+    }
+
+    /// Push a list of slots (`head`..`tail` through `WSlot::next`) on the free stack.
+    fn give_back(&self, head: u32, tail: u32) {
+        let mut a = self.alloc.lock();
+        self.wslot(tail).next.store(a.free, Relaxed);
+        a.free = head;
+    }
+
+    fn fresh_slot(&self, a: &mut Allocator) -> u32 {
+        let id = a.high;
+        assert!(id < NIL as usize, "trie slot ids exhausted");
+        if id.is_multiple_of(SEG_SLOTS) {
+            self.add_segment(a, id >> SEG_SHIFT);
+        }
+        a.high += 1;
+        id as u32
+    }
+
+    fn add_segment(&self, a: &mut Allocator, seg: usize) {
+        let cur = self.dir.load(Relaxed);
+        // SAFETY: only the allocator (under its lock) replaces the directory; `cur` is live.
+        let cur_ref = unsafe { &*cur };
+        if seg >= cur_ref.segs.len() {
+            let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
+            for (x, y) in cur_ref.segs.iter().zip(grown.segs.iter()) {
+                y.store(x.load(Relaxed), Relaxed);
+            }
+            a.dir_len = grown.segs.len();
+            self.dir.store(Box::into_raw(grown), Release);
+            a.retired_bytes += cur_ref.segs.len() * std::mem::size_of::<AtomicPtr<Segment>>()
+                + std::mem::size_of::<Dir>();
+            a.retired.push(cur);
+        }
+        let layout = Layout::new::<Segment>();
+        // SAFETY: `Segment` has non-zero size; all-zero bytes are a valid `Segment` (atomics).
+        let p = unsafe { alloc_zeroed(layout) }.cast::<Segment>();
+        if p.is_null() {
+            handle_alloc_error(layout);
+        }
+        self.dir().segs[seg].store(p, Release);
+        a.segments += 1;
+        let mem = std::mem::size_of::<PrefixTrie>()
+            + a.segments * std::mem::size_of::<Segment>()
+            + a.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
+            + a.retired_bytes
+            + a.retired.capacity() * std::mem::size_of::<*mut Dir>();
+        self.stats.mem.store(mem, Relaxed);
+    }
+
+    fn slot_at(&self, id: u32) -> (&Meta, &Label) {
+        self.dir().slot(id).expect("allocated slot id in range")
+    }
+
+    fn wslot(&self, id: u32) -> &WSlot {
+        self.dir().ws(id).expect("allocated slot id in range")
     }
 
     /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
@@ -588,21 +746,12 @@ impl PrefixTrie {
     }
 
     /// Before taking the writer lock: touch the cold lines the locked section is about to use
-    /// (the free slots a chain of `new_slots` nodes will take, and the runs of the next eviction
-    /// victims), so their cache misses overlap other threads' work instead of lengthening the
-    /// critical section. Follows racy hints and only reads atomics: it can slow nothing but
+    /// (the runs of the next eviction victims, the oldest and so coldest memory in the trie),
+    /// so their cache misses overlap other threads' work instead of lengthening the critical
+    /// section. Follows racy hints and only reads atomics: it can slow nothing but
     /// itself and never affects correctness.
     fn warm(&self, new_slots: usize) {
         let dir = self.dir();
-        let mut f = self.stats.free_head.load(Relaxed);
-        for _ in 0..new_slots {
-            let (Some((m, l)), Some(w)) = (dir.slot(f), dir.ws(f)) else {
-                break;
-            };
-            prefetch_for_write(l);
-            prefetch_for_write(m);
-            f = w.next.load(Relaxed);
-        }
         if self.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
             return;
         }
@@ -728,10 +877,10 @@ impl PrefixTrie {
 
 impl Drop for PrefixTrie {
     fn drop(&mut self) {
-        let w = self.writer.0.get_mut();
+        let a = self.alloc.0.get_mut();
         let dir = *self.dir.get_mut();
         // SAFETY: `&mut self`: no readers or writers remain. Every segment pointer in the
-        // current directory was allocated by `Segment` allocation below and appears once there
+        // current directory was allocated in `add_segment` and appears once there
         // (retired directories share pointers with it, so only their boxes are freed).
         unsafe {
             let d = Box::from_raw(dir);
@@ -741,7 +890,7 @@ impl Drop for PrefixTrie {
                     dealloc(p.cast(), Layout::new::<Segment>());
                 }
             }
-            for &r in &w.retired {
+            for &r in &a.retired {
                 drop(Box::from_raw(r));
             }
         }
@@ -756,7 +905,7 @@ struct Ctx<'a> {
 
 impl<'a> Ctx<'a> {
     fn slot(&self, id: u32) -> (&'a Meta, &'a Label) {
-        self.t.dir().slot(id).expect("writer-side slot id in range")
+        self.t.slot_at(id)
     }
 
     fn meta(&self, id: u32) -> &'a Meta {
@@ -768,7 +917,7 @@ impl<'a> Ctx<'a> {
     }
 
     fn ws(&self, id: u32) -> &'a WSlot {
-        self.t.dir().ws(id).expect("writer-side slot id in range")
+        self.t.wslot(id)
     }
 
     fn parent(&self, id: u32) -> u32 {
@@ -806,80 +955,60 @@ impl<'a> Ctx<'a> {
     }
 
     fn write_label(&self, id: u32, bytes: &[u8]) {
-        let mut buf = [0u8; LABEL_BYTES];
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let l = self.slot(id).1;
-        for (i, w) in l.0.iter().enumerate() {
-            w.store(load_word(&buf, i * 8), Relaxed);
-        }
+        store_label(self.slot(id).1, bytes);
     }
 
-    fn publish(&self) {
-        let t = self.t;
-        t.stats.nodes.store(self.w.nodes, Relaxed);
-        t.stats.bytes.store(self.w.bytes, Relaxed);
-        t.stats.prompts.store(self.w.prompts, Relaxed);
-        t.stats.evictions.store(self.w.evictions, Relaxed);
-        let mem = std::mem::size_of::<PrefixTrie>()
-            + self.w.segments * std::mem::size_of::<Segment>()
-            + self.w.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
-            + self.w.retired_bytes
-            + self.w.retired.capacity() * std::mem::size_of::<*mut Dir>();
-        t.stats.mem.store(mem, Relaxed);
-        t.stats.lru_head.store(self.w.lru_head, Relaxed);
-        t.stats.free_head.store(self.w.free, Relaxed);
+    /// Hand this critical section's freed slots to the allocator and publish the counters.
+    fn publish(&mut self) {
+        if self.w.freed_head != NIL {
+            self.t.give_back(self.w.freed_head, self.w.freed_tail);
+            (self.w.freed_head, self.w.freed_tail) = (NIL, NIL);
+        }
+        let st = &self.t.stats;
+        st.nodes.store(self.w.nodes, Relaxed);
+        st.bytes.store(self.w.bytes, Relaxed);
+        st.prompts.store(self.w.prompts, Relaxed);
+        st.evictions.store(self.w.evictions, Relaxed);
+        st.lru_head.store(self.w.lru_head, Relaxed);
     }
 
     // ---- slots -------------------------------------------------------------------------
 
     fn alloc(&mut self) -> u32 {
-        if self.w.free != NIL {
-            let id = self.w.free;
-            self.w.free = self.ws(id).next.load(Relaxed);
-            return id;
-        }
-        let id = self.w.high;
-        assert!(id < NIL as usize, "trie slot ids exhausted");
-        if id.is_multiple_of(SEG_SLOTS) {
-            self.add_segment(id >> SEG_SHIFT);
-        }
-        self.w.high += 1;
-        id as u32
+        self.t.take_slots(1)
     }
 
-    fn add_segment(&mut self, seg: usize) {
-        let cur = self.t.dir.load(Relaxed);
-        // SAFETY: the writer owns directory replacement; `cur` is live.
-        let cur_ref = unsafe { &*cur };
-        if seg >= cur_ref.segs.len() {
-            let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
-            for (a, b) in cur_ref.segs.iter().zip(grown.segs.iter()) {
-                b.store(a.load(Relaxed), Relaxed);
-            }
-            self.w.dir_len = grown.segs.len();
-            self.t.dir.store(Box::into_raw(grown), Release);
-            self.w.retired_bytes += cur_ref.segs.len() * std::mem::size_of::<AtomicPtr<Segment>>()
-                + std::mem::size_of::<Dir>();
-            self.w.retired.push(cur);
-        }
-        let layout = Layout::new::<Segment>();
-        // SAFETY: `Segment` has non-zero size; all-zero bytes are a valid `Segment` (atomics).
-        let p = unsafe { alloc_zeroed(layout) }.cast::<Segment>();
-        if p.is_null() {
-            handle_alloc_error(layout);
-        }
-        self.t.dir().segs[seg].store(p, Release);
-        self.w.segments += 1;
-    }
-
-    /// Free a slot that the caller has already locked.
+    /// Free a slot that the caller has already locked (it is reused after this section).
     fn free_locked(&mut self, id: u32) {
         let m = self.meta(id);
         m.shape.store(0, Relaxed);
         unlock(m);
         self.init_ws(id, NIL, 0);
-        self.ws(id).next.store(self.w.free, Relaxed);
-        self.w.free = id;
+        self.push_freed(id);
+    }
+
+    /// Queue `id` for the allocator, on top of the slots freed earlier in this section.
+    fn push_freed(&mut self, id: u32) {
+        self.ws(id).next.store(self.w.freed_head, Relaxed);
+        if self.w.freed_head == NIL {
+            self.w.freed_tail = id;
+        }
+        self.w.freed_head = id;
+    }
+
+    /// Return an unpublished chain's slots (its walk went stale and it cannot be used).
+    fn discard(&mut self, c: Chain) {
+        let mut id = c.first;
+        loop {
+            let next = self.meta(id).kid[0].load(Relaxed);
+            self.meta(id).shape.store(0, Relaxed);
+            self.init_ws(id, NIL, 0);
+            self.push_freed(id);
+            if id == c.last {
+                return;
+            }
+            id = next;
+        }
     }
 
     fn alloc_block(&mut self) -> u32 {
@@ -1139,7 +1268,7 @@ impl<'a> Ctx<'a> {
 
     // ---- insert ----------------------------------------------------------------------------
 
-    fn apply(&mut self, prompt: &[u8], wk: Walk) {
+    fn apply(&mut self, prompt: &[u8], wk: Walk, chain: Option<Chain>) {
         let Walk {
             pos: d,
             node: x,
@@ -1148,6 +1277,9 @@ impl<'a> Ctx<'a> {
             ..
         } = wk;
         if d == prompt.len() {
+            if let Some(c) = chain {
+                self.discard(c); // someone stored the rest of this prompt meanwhile
+            }
             if off == len {
                 self.mark_terminal(x);
             } else {
@@ -1156,46 +1288,29 @@ impl<'a> Ctx<'a> {
             }
             return;
         }
+        let c = match chain {
+            Some(c) if c.d == d => c,
+            stale => {
+                if let Some(c) = stale {
+                    self.discard(c);
+                }
+                self.t.prebuild(&prompt[d..], d)
+            }
+        };
+        self.w.nodes += c.nodes;
+        self.w.bytes += prompt.len() - d;
         let key = prompt[d];
-        let (first, last) = self.build_chain(&prompt[d..], d);
         if off == len {
             let m = self.meta(x);
             lock(m);
-            self.kid_add(x, key, first);
+            self.kid_add(x, key, c.first);
             unlock(self.meta(x));
-            self.set_parent(first, x);
+            self.set_parent(c.first, x);
         } else {
-            let u = self.split(x, off, Some((key, first)));
-            self.set_parent(first, u);
+            let u = self.split(x, off, Some((key, c.first)));
+            self.set_parent(c.first, u);
         }
-        self.mark_terminal(last);
-    }
-
-    /// Nodes for `bytes`, which start at depth `d`, cut at multiples of `k`; unpublished.
-    fn build_chain(&mut self, bytes: &[u8], d: usize) -> (u32, u32) {
-        let k = self.t.k;
-        let end_all = d + bytes.len();
-        let first = self.alloc();
-        let (mut id, mut parent, mut depth) = (first, NIL, d);
-        loop {
-            let end = end_all.min((depth / k + 1) * k);
-            let chunk = &bytes[depth - d..end - d];
-            let last = end == end_all;
-            let next = if last { NIL } else { self.alloc() };
-            self.write_label(id, chunk);
-            let m = self.meta(id);
-            let (nk, key) = if last { (0, 0) } else { (1, bytes[end - d]) };
-            m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
-            m.kid[0].store(next, Relaxed);
-            m.kid[1].store(NIL, Relaxed);
-            self.init_ws(id, parent, end);
-            self.w.nodes += 1;
-            self.w.bytes += chunk.len();
-            if last {
-                return (first, id);
-            }
-            (parent, id, depth) = (id, next, end);
-        }
+        self.mark_terminal(c.last);
     }
 
     /// Cut `x` after `off` label bytes: a new upper node takes `x`'s place under its parent
@@ -1419,14 +1534,16 @@ impl PrefixTrie {
         assert_eq!(nodes, cx.w.nodes, "node count");
         assert_eq!(bytes, cx.w.bytes, "byte count");
         assert_eq!(terminals, cx.w.prompts, "prompt count");
+        let a = self.alloc.lock();
         let mut free = 0;
-        let mut f = cx.w.free;
+        let mut f = a.free;
         while f != NIL {
             assert!(!seen.contains(&f), "free slot {f} reachable");
             free += 1;
             f = cx.ws(f).next.load(Relaxed);
         }
-        assert_eq!(free + seen.len(), cx.w.high, "slots leaked");
+        assert_eq!(free + seen.len(), a.high, "slots leaked");
+        drop(a);
         let mut out = Vec::new();
         let (mut cur, mut prev) = (cx.w.lru_head, NIL);
         while cur != NIL {
