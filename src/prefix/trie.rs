@@ -30,10 +30,16 @@ const MAX_FANOUT: usize = 256;
 /// Longest overflow block chain a node can have; bounds optimistic readers on torn state.
 const MAX_BLOCKS: usize = MAX_FANOUT.div_ceil(KIDS_PER_BLOCK);
 
-/// log2 of slots per arena segment: 1024 slots = 80 KiB of shared memory per segment, small
+/// log2 of slots per arena segment: 1024 slots = 96 KiB per segment, small
 /// enough that an idle target's trie costs little, large enough that the directory stays tiny.
 const SEG_SHIFT: u32 = 10;
 const SEG_SLOTS: usize = 1 << SEG_SHIFT;
+
+/// How many slots ahead the eviction climb prefetches (4 metadata entries share a cache line).
+const PREFETCH_AHEAD: u32 = 8;
+
+/// Extra nodes `PrefixTrie::warm` may visit beyond twice the expected chain length.
+const WARM_SLACK: usize = 16;
 
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).
@@ -41,7 +47,7 @@ const OPTIMISTIC_ATTEMPTS: usize = 4;
 
 const NIL: u32 = u32::MAX;
 const ROOT: u32 = 0;
-/// Bit in `WMeta::end` marking a node where a stored prompt ends.
+/// Bit in `WSlot::end` marking a node where a stored prompt ends.
 const TERMINAL: u32 = 1 << 31;
 
 // `Meta::shape` layout: label length (or a block's entry count), child count, first two keys.
@@ -98,6 +104,7 @@ struct Meta {
 struct Segment {
     labels: [Label; SEG_SLOTS],
     metas: [Meta; SEG_SLOTS],
+    wm: [WSlot; SEG_SLOTS],
 }
 
 /// Segment directory. Replaced (never mutated in place beyond its slots) when it grows; old
@@ -128,40 +135,68 @@ impl Dir {
         let seg = unsafe { &*seg };
         Some((&seg.metas[i], &seg.labels[i]))
     }
+
+    /// The writer bookkeeping of slot `id`, if its segment exists in this directory.
+    #[inline]
+    fn ws(&self, id: u32) -> Option<&WSlot> {
+        let seg = self.segs.get((id >> SEG_SHIFT) as usize)?.load(Acquire);
+        if seg.is_null() {
+            return None;
+        }
+        // SAFETY: as in `slot`.
+        let seg = unsafe { &*seg };
+        Some(&seg.wm[id as usize & (SEG_SLOTS - 1)])
+    }
 }
 
-/// Writer-only per-slot bookkeeping (never read by optimistic readers).
-#[derive(Clone, Copy)]
-struct WMeta {
-    parent: u32,
+/// Writer bookkeeping of one slot, never read by matchers. Stored under the writer lock, or by
+/// whoever holds the slot while it is unlinked (allocator, chain prebuild); atomics so that an
+/// inserter may read it racily, without the lock, to warm caches (`PrefixTrie::warm`).
+#[repr(C)]
+struct WSlot {
+    parent: AtomicU32,
     /// LRU neighbours for terminal nodes; `next` links the free list for free slots.
-    prev: u32,
-    next: u32,
+    prev: AtomicU32,
+    next: AtomicU32,
     /// Depth of the node's last label byte, `TERMINAL` bit if a stored prompt ends here.
-    end: u32,
+    end: AtomicU32,
 }
-
-const WMETA_EMPTY: WMeta = WMeta {
-    parent: NIL,
-    prev: NIL,
-    next: NIL,
-    end: 0,
-};
 
 /// Everything only the (single) writer touches.
 struct Writer {
-    wm: Vec<WMeta>,
-    free: u32,
     lru_head: u32,
     lru_tail: u32,
     nodes: usize,
     bytes: usize,
     prompts: usize,
     evictions: u64,
+    /// Slots freed by the current critical section, linked through `WSlot::next` in the order
+    /// they should be reused; handed to the allocator once, at the end.
+    freed_head: u32,
+    freed_tail: u32,
+}
+
+/// Slot allocator: free stack, high-water mark and arena growth. Its own short lock, so an
+/// inserter can allocate and fill its new chain before taking the writer lock. Lock order:
+/// writer, then allocator.
+struct Allocator {
+    /// Top of the free stack, linked through `WSlot::next`.
+    free: u32,
+    /// Slots ever handed out (the arena's high-water mark).
+    high: usize,
     segments: usize,
     dir_len: usize,
     retired: Vec<*mut Dir>,
     retired_bytes: usize,
+}
+
+/// A new chain of nodes, filled but not yet linked into the trie.
+struct Chain {
+    first: u32,
+    last: u32,
+    /// Depth of its first byte.
+    d: usize,
+    nodes: usize,
 }
 
 /// Where a walk stopped: `pos` bytes matched, the last `off` of them inside `node`'s label.
@@ -176,20 +211,41 @@ struct Walk {
 
 /// Node-capped, LRU-by-insertion radix trie of prompt bytes; `Send + Sync`, lock-free reads.
 pub struct PrefixTrie {
+    // Read-mostly, loaded by every walk: kept off the cache lines the writer dirties.
     dir: AtomicPtr<Dir>,
-    writer: Mutex<Writer>,
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
+    writer: Padded<Mutex<Writer>>,
+    alloc: Padded<Mutex<Allocator>>,
+    stats: Padded<Stats>,
+}
+
+/// Counters published by the writer after each operation, for lock-free getters.
+#[derive(Default)]
+struct Stats {
     nodes: AtomicUsize,
     bytes: AtomicUsize,
     prompts: AtomicUsize,
     evictions: AtomicU64,
     mem: AtomicUsize,
+    /// Hint for `warm`: the oldest prompt's terminal node.
+    lru_head: AtomicU32,
 }
 
-// SAFETY: all shared state is atomics or behind the mutex; the raw `Dir`/`Segment` pointers are
-// owned by the trie, written only under the writer lock and freed only in `Drop`.
+/// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+// SAFETY: all shared state is atomics or behind the mutexes; the raw `Dir`/`Segment` pointers
+// are owned by the trie, replaced only under the allocator lock and freed only in `Drop`.
 unsafe impl Send for PrefixTrie {}
 // SAFETY: as above; readers only load atomics through `&self`.
 unsafe impl Sync for PrefixTrie {}
@@ -238,6 +294,93 @@ fn unlock(m: &Meta) {
     m.ver.store(v.wrapping_add(1), Release);
 }
 
+/// `shape` bits of a full-label node with exactly one child (the walk's fast path).
+const CHAIN_MASK: u32 = LEN_MASK | NKIDS_MASK << NKIDS_SHIFT;
+const CHAIN_SHAPE: u32 = LABEL_BYTES as u32 | 1 << NKIDS_SHIFT;
+
+/// A validated position of a walk: `m`/`label` is slot `id`, read at version `v`, and the
+/// first `pos` prompt bytes matched up to the start of its label.
+#[derive(Clone, Copy)]
+struct Cursor<'d> {
+    pos: usize,
+    id: u32,
+    m: &'d Meta,
+    label: &'d Label,
+    v: u32,
+}
+
+/// Follow full-label single-child nodes stored back to back; `Some(true)` if it advanced,
+/// `None` if a concurrent write was seen.
+#[inline(never)]
+fn run_chain(prompt: &[u8], st: &mut Cursor<'_>) -> Option<bool> {
+    // Locals, written back once: the validation fences would otherwise force `st` to memory.
+    let Cursor {
+        mut pos,
+        mut id,
+        mut m,
+        mut label,
+        mut v,
+    } = *st;
+    let start = pos;
+    loop {
+        let shape = m.shape.load(Relaxed);
+        if shape & CHAIN_MASK != CHAIN_SHAPE {
+            break;
+        }
+        let Some(chunk) = prompt.get(pos..pos + LABEL_BYTES + 1) else {
+            break;
+        };
+        let c = m.kid[0].load(Relaxed);
+        if shape_key0(shape) != chunk[LABEL_BYTES]
+            || c != id.wrapping_add(1)
+            || c as usize & (SEG_SLOTS - 1) == 0
+            || !label_eq(label, chunk)
+        {
+            break;
+        }
+        // SAFETY: `m`/`label` are entry `id & (SEG_SLOTS-1)` of their segment's arrays and
+        // `c = id + 1` has a non-zero index, so entry + 1 is in bounds of the same arrays.
+        let (cm, cl) = unsafe {
+            (
+                &*(m as *const Meta).add(1),
+                &*(label as *const Label).add(1),
+            )
+        };
+        let cv = read_begin(cm)?;
+        if !read_valid(m, v) {
+            return None;
+        }
+        pos += LABEL_BYTES;
+        (id, m, label, v) = (c, cm, cl, cv);
+    }
+    *st = Cursor {
+        pos,
+        id,
+        m,
+        label,
+        v,
+    };
+    Some(pos != start)
+}
+
+/// Whether a full label equals the first `LABEL_BYTES` of `chunk`.
+#[inline(always)]
+fn label_eq(label: &Label, chunk: &[u8]) -> bool {
+    let chunk: &[u8; LABEL_BYTES] = chunk[..LABEL_BYTES].try_into().expect("full chunk");
+    let word = |i: usize| u64::from_le_bytes(chunk[i * 8..i * 8 + 8].try_into().expect("8"));
+    // Two halves keep register pressure low (atomic loads are not reordered by the compiler).
+    for half in [0..LABEL_WORDS / 2, LABEL_WORDS / 2..LABEL_WORDS] {
+        let mut diff = 0u64;
+        for i in half {
+            diff |= label.0[i].load(Relaxed) ^ word(i);
+        }
+        if diff != 0 {
+            return false;
+        }
+    }
+    true
+}
+
 /// Length of the common prefix of `label` (first `len` bytes) and `rest`.
 #[inline(always)]
 fn common_prefix(label: &Label, rest: &[u8], len: usize) -> usize {
@@ -272,16 +415,27 @@ fn common_prefix(label: &Label, rest: &[u8], len: usize) -> usize {
     max
 }
 
+/// Store `bytes` (at most `LABEL_BYTES`) as a label, zero-padded.
+fn store_label(l: &Label, bytes: &[u8]) {
+    let mut buf = [0u8; LABEL_BYTES];
+    buf[..bytes.len()].copy_from_slice(bytes);
+    for (i, w) in l.0.iter().enumerate() {
+        w.store(load_word(&buf, i * 8), Relaxed);
+    }
+}
+
 #[inline(always)]
 fn load_word(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
-/// Child of a node for first byte `key`, `NIL` if none. May return garbage on torn reads; the
-/// caller validates the node's version before trusting the answer.
+/// Child of a node for first byte `key`: `Some(NIL)` if it has none, `None` if the read could
+/// not be completed (torn state, or a block in a segment newer than the reader's directory
+/// snapshot) and the walk must restart. May return garbage on torn reads; the caller validates
+/// the node's version before trusting the answer.
 #[inline]
-fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> u32 {
-    match shape_nkids(shape) {
+fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> Option<u32> {
+    Some(match shape_nkids(shape) {
         0 => NIL,
         1 => {
             if shape_key0(shape) == key {
@@ -302,24 +456,26 @@ fn find_kid(dir: &Dir, m: &Meta, shape: u32, key: u8) -> u32 {
         _ => {
             let mut b = m.kid[0].load(Relaxed);
             for _ in 0..MAX_BLOCKS {
-                let Some((bm, bl)) = dir.slot(b) else {
-                    return NIL;
-                };
-                let count = shape_len(bm.shape.load(Relaxed)).min(KIDS_PER_BLOCK);
+                // A block this directory cannot see is not an absent child: retry.
+                let (bm, bl) = dir.slot(b)?;
+                let count = shape_len(bm.shape.load(Relaxed));
+                if count > KIDS_PER_BLOCK {
+                    return None;
+                }
                 let keys = [bl.0[0].load(Relaxed), bl.0[1].load(Relaxed)];
                 for i in 0..count {
                     if (keys[i / 8] >> (8 * (i % 8))) as u8 == key {
-                        return (bl.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32;
+                        return Some((bl.0[2 + i / 2].load(Relaxed) >> (32 * (i % 2))) as u32);
                     }
                 }
                 b = bm.kid[0].load(Relaxed);
                 if b == NIL {
-                    return NIL;
+                    return Some(NIL);
                 }
             }
-            NIL
+            return None;
         }
-    }
+    })
 }
 
 impl PrefixTrie {
@@ -334,35 +490,33 @@ impl PrefixTrie {
         let dir = Box::into_raw(Dir::with_len(1));
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
-            writer: Mutex::new(Writer {
-                wm: Vec::new(),
-                free: NIL,
+            writer: Padded(Mutex::new(Writer {
                 lru_head: NIL,
                 lru_tail: NIL,
                 nodes: 0,
                 bytes: 0,
                 prompts: 0,
                 evictions: 0,
+                freed_head: NIL,
+                freed_tail: NIL,
+            })),
+            alloc: Padded(Mutex::new(Allocator {
+                free: NIL,
+                high: 0,
                 segments: 0,
                 dir_len: 1,
                 retired: Vec::new(),
                 retired_bytes: 0,
-            }),
+            })),
             k,
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
-            nodes: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            prompts: AtomicUsize::new(0),
-            evictions: AtomicU64::new(0),
-            mem: AtomicUsize::new(0),
+            stats: Padded(Stats::default()),
         };
-        {
-            let mut g = t.writer.lock();
-            let mut cx = Ctx { t: &t, w: &mut g };
-            let root = cx.alloc();
-            debug_assert_eq!(root, ROOT);
-            cx.publish();
-        }
+        let root = t.take_slots(1);
+        debug_assert_eq!(root, ROOT);
+        let w = t.wslot(ROOT);
+        w.parent.store(NIL, Relaxed);
+        w.next.store(NIL, Relaxed);
         t
     }
 
@@ -394,6 +548,13 @@ impl PrefixTrie {
                 }
             }
         }
+        // Build the new suffix before taking the writer lock: it is private until linked.
+        let chain = seen
+            .filter(|w| w.pos < prompt.len())
+            .map(|w| self.prebuild(&prompt[w.pos..], w.pos));
+        if let Some(c) = &chain {
+            self.warm(c.nodes);
+        }
         let mut g = self.writer.lock();
         let mut cx = Ctx { t: self, w: &mut g };
         if !prompt.is_empty() {
@@ -403,30 +564,165 @@ impl PrefixTrie {
                     .walk(prompt)
                     .expect("no concurrent writer under the lock"),
             };
-            cx.apply(prompt, walk);
+            cx.apply(prompt, walk, chain);
         }
         cx.evict_to(self.max_nodes());
         cx.publish();
     }
 
+    /// Allocate and fill the chain for `bytes`, which start at depth `d`.
+    fn prebuild(&self, bytes: &[u8], d: usize) -> Chain {
+        let head = self.take_slots(self.chain_len(d, bytes.len()));
+        self.fill_chain(bytes, d, head)
+    }
+
+    /// Nodes needed for `n` bytes starting at depth `d` (cut at multiples of `k`).
+    fn chain_len(&self, d: usize, n: usize) -> usize {
+        let first_end = (d + n).min((d / self.k + 1) * self.k);
+        1 + (d + n - first_end).div_ceil(self.k)
+    }
+
+    /// Write the chain for `bytes` (from depth `d`) into the slot list at `head` (exactly
+    /// `chain_len` slots linked through `WSlot::next`). The nodes stay unreachable until linked.
+    fn fill_chain(&self, bytes: &[u8], d: usize, head: u32) -> Chain {
+        let k = self.k;
+        let end_all = d + bytes.len();
+        let (mut id, mut parent, mut depth, mut nodes) = (head, NIL, d, 0);
+        loop {
+            let end = end_all.min((depth / k + 1) * k);
+            let chunk = &bytes[depth - d..end - d];
+            let w = self.wslot(id);
+            let next = w.next.load(Relaxed);
+            let last = end == end_all;
+            debug_assert_eq!(last, next == NIL, "slot list length");
+            let (m, l) = self.slot_at(id);
+            store_label(l, chunk);
+            let (nk, key) = if last { (0, 0) } else { (1, bytes[end - d]) };
+            m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
+            m.kid[0].store(next, Relaxed);
+            m.kid[1].store(NIL, Relaxed);
+            w.parent.store(parent, Relaxed);
+            w.prev.store(NIL, Relaxed);
+            w.next.store(NIL, Relaxed);
+            w.end.store(end as u32, Relaxed);
+            nodes += 1;
+            if last {
+                return Chain {
+                    first: head,
+                    last: id,
+                    d,
+                    nodes,
+                };
+            }
+            (parent, id, depth) = (id, next, end);
+        }
+    }
+
+    /// `n` slots from the allocator, linked through `WSlot::next` (NIL-terminated), most
+    /// recently freed first (so a run freed together is reused in its original order).
+    fn take_slots(&self, n: usize) -> u32 {
+        debug_assert!(n > 0);
+        let mut a = self.alloc.lock();
+        let (mut head, mut tail, mut got) = (NIL, NIL, 0);
+        if a.free != NIL {
+            (head, tail, got) = (a.free, a.free, 1);
+            while got < n {
+                let nx = self.wslot(tail).next.load(Relaxed);
+                if nx == NIL {
+                    break;
+                }
+                (tail, got) = (nx, got + 1);
+            }
+            a.free = self.wslot(tail).next.load(Relaxed);
+            self.wslot(tail).next.store(NIL, Relaxed);
+        }
+        while got < n {
+            let id = self.fresh_slot(&mut a);
+            self.wslot(id).next.store(NIL, Relaxed);
+            if head == NIL {
+                head = id;
+            } else {
+                self.wslot(tail).next.store(id, Relaxed);
+            }
+            (tail, got) = (id, got + 1);
+        }
+        head
+    }
+
+    /// Push a list of slots (`head`..`tail` through `WSlot::next`) on the free stack.
+    fn give_back(&self, head: u32, tail: u32) {
+        let mut a = self.alloc.lock();
+        self.wslot(tail).next.store(a.free, Relaxed);
+        a.free = head;
+    }
+
+    fn fresh_slot(&self, a: &mut Allocator) -> u32 {
+        let id = a.high;
+        assert!(id < NIL as usize, "trie slot ids exhausted");
+        if id.is_multiple_of(SEG_SLOTS) {
+            self.add_segment(a, id >> SEG_SHIFT);
+        }
+        a.high += 1;
+        id as u32
+    }
+
+    fn add_segment(&self, a: &mut Allocator, seg: usize) {
+        let cur = self.dir.load(Relaxed);
+        // SAFETY: only the allocator (under its lock) replaces the directory; `cur` is live.
+        let cur_ref = unsafe { &*cur };
+        if seg >= cur_ref.segs.len() {
+            let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
+            for (x, y) in cur_ref.segs.iter().zip(grown.segs.iter()) {
+                y.store(x.load(Relaxed), Relaxed);
+            }
+            a.dir_len = grown.segs.len();
+            self.dir.store(Box::into_raw(grown), Release);
+            a.retired_bytes += cur_ref.segs.len() * std::mem::size_of::<AtomicPtr<Segment>>()
+                + std::mem::size_of::<Dir>();
+            a.retired.push(cur);
+        }
+        let layout = Layout::new::<Segment>();
+        // SAFETY: `Segment` has non-zero size; all-zero bytes are a valid `Segment` (atomics).
+        let p = unsafe { alloc_zeroed(layout) }.cast::<Segment>();
+        if p.is_null() {
+            handle_alloc_error(layout);
+        }
+        self.dir().segs[seg].store(p, Release);
+        a.segments += 1;
+        let mem = std::mem::size_of::<PrefixTrie>()
+            + a.segments * std::mem::size_of::<Segment>()
+            + a.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
+            + a.retired_bytes
+            + a.retired.capacity() * std::mem::size_of::<*mut Dir>();
+        self.stats.mem.store(mem, Relaxed);
+    }
+
+    fn slot_at(&self, id: u32) -> (&Meta, &Label) {
+        self.dir().slot(id).expect("allocated slot id in range")
+    }
+
+    fn wslot(&self, id: u32) -> &WSlot {
+        self.dir().ws(id).expect("allocated slot id in range")
+    }
+
     /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
     pub fn node_count(&self) -> usize {
-        self.nodes.load(Relaxed)
+        self.stats.nodes.load(Relaxed)
     }
 
     /// Bytes of edge labels stored (= distinct non-empty prefixes of the stored prompts).
     pub fn byte_count(&self) -> usize {
-        self.bytes.load(Relaxed)
+        self.stats.bytes.load(Relaxed)
     }
 
     /// Distinct prompts stored.
     pub fn prompt_count(&self) -> usize {
-        self.prompts.load(Relaxed)
+        self.stats.prompts.load(Relaxed)
     }
 
     /// Prompts pruned by the node cap since creation.
     pub fn evictions(&self) -> u64 {
-        self.evictions.load(Relaxed)
+        self.stats.evictions.load(Relaxed)
     }
 
     /// Current node ceiling.
@@ -446,7 +742,43 @@ impl PrefixTrie {
 
     /// Heap bytes held by the trie (segments, directories, writer bookkeeping).
     pub fn memory_bytes(&self) -> usize {
-        self.mem.load(Relaxed)
+        self.stats.mem.load(Relaxed)
+    }
+
+    /// Before taking the writer lock: touch the cold lines the locked section is about to use
+    /// (the runs of the next eviction victims, the oldest and so coldest memory in the trie),
+    /// so their cache misses overlap other threads' work instead of lengthening the critical
+    /// section. Follows racy hints and only reads atomics: it can slow nothing but
+    /// itself and never affects correctness.
+    fn warm(&self, new_slots: usize) {
+        let dir = self.dir();
+        if self.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
+            return;
+        }
+        // Visit about as many nodes as the insert will need freed, plus slack for prompts
+        // whose eviction frees nothing (their path is shared with a newer prompt).
+        let mut budget = 2 * new_slots + WARM_SLACK;
+        let mut victim = self.stats.lru_head.load(Relaxed);
+        while budget > 0 {
+            let Some(vw) = dir.ws(victim) else {
+                return;
+            };
+            let mut a = victim;
+            while budget > 0 {
+                let (Some((m, _)), Some(w)) = (dir.slot(a), dir.ws(a)) else {
+                    return;
+                };
+                budget -= 1;
+                let parent = w.parent.load(Relaxed);
+                let branching = shape_nkids(m.shape.load(Relaxed)) > 1;
+                let terminal = a != victim && w.end.load(Relaxed) & TERMINAL != 0;
+                if a == ROOT || branching || terminal {
+                    break;
+                }
+                a = parent;
+            }
+            victim = vw.next.load(Relaxed);
+        }
     }
 
     #[inline]
@@ -466,6 +798,28 @@ impl PrefixTrie {
         let mut pos = 0usize;
         loop {
             let shape = m.shape.load(Relaxed);
+            // Fast path, most hops of a long prompt: full labels whose only child sits in the
+            // next slot of the same segment. A separate small loop, so it keeps its state in
+            // registers.
+            if shape & CHAIN_MASK == CHAIN_SHAPE {
+                let mut st = Cursor {
+                    pos,
+                    id,
+                    m,
+                    label,
+                    v,
+                };
+                if run_chain(prompt, &mut st)? {
+                    Cursor {
+                        pos,
+                        id,
+                        m,
+                        label,
+                        v,
+                    } = st;
+                    continue;
+                }
+            }
             let len = shape_len(shape);
             if len > LABEL_BYTES || (len == 0 && id != ROOT) {
                 return None;
@@ -481,17 +835,37 @@ impl PrefixTrie {
                 });
             }
             pos += len;
-            let c = find_kid(dir, m, shape, prompt[pos]);
-            if c == NIL {
-                return read_valid(m, v).then_some(Walk {
-                    pos,
-                    node: id,
-                    ver: v,
-                    off: len,
-                    len,
-                });
+            let key = prompt[pos];
+            let (c, cm, cl);
+            if shape_nkids(shape) == 1 && shape_key0(shape) == key {
+                c = m.kid[0].load(Relaxed);
+                if c == id.wrapping_add(1) && c as usize & (SEG_SLOTS - 1) != 0 {
+                    // Chain nodes are usually allocated back to back: step to the next slot of
+                    // the same segment by address, so the next hop's loads need not wait for
+                    // this `kid` load (the CPU predicts the branch and runs ahead).
+                    // SAFETY: `m`/`label` are entry `id & (SEG_SLOTS-1)` of their segment's
+                    // arrays and `c`'s index (that + 1) is non-zero, so `id`'s index is below
+                    // SEG_SLOTS - 1 and the next entry is in bounds of the same array.
+                    unsafe {
+                        cm = &*(m as *const Meta).add(1);
+                        cl = &*(label as *const Label).add(1);
+                    }
+                } else {
+                    (cm, cl) = dir.slot(c)?;
+                }
+            } else {
+                c = find_kid(dir, m, shape, key)?;
+                if c == NIL {
+                    return read_valid(m, v).then_some(Walk {
+                        pos,
+                        node: id,
+                        ver: v,
+                        off: len,
+                        len,
+                    });
+                }
+                (cm, cl) = dir.slot(c)?;
             }
-            let (cm, cl) = dir.slot(c)?;
             let cv = read_begin(cm)?;
             if !read_valid(m, v) {
                 return None;
@@ -503,10 +877,10 @@ impl PrefixTrie {
 
 impl Drop for PrefixTrie {
     fn drop(&mut self) {
-        let w = self.writer.get_mut();
+        let a = self.alloc.0.get_mut();
         let dir = *self.dir.get_mut();
         // SAFETY: `&mut self`: no readers or writers remain. Every segment pointer in the
-        // current directory was allocated by `Segment` allocation below and appears once there
+        // current directory was allocated in `add_segment` and appears once there
         // (retired directories share pointers with it, so only their boxes are freed).
         unsafe {
             let d = Box::from_raw(dir);
@@ -516,7 +890,7 @@ impl Drop for PrefixTrie {
                     dealloc(p.cast(), Layout::new::<Segment>());
                 }
             }
-            for &r in &w.retired {
+            for &r in &a.retired {
                 drop(Box::from_raw(r));
             }
         }
@@ -531,7 +905,7 @@ struct Ctx<'a> {
 
 impl<'a> Ctx<'a> {
     fn slot(&self, id: u32) -> (&'a Meta, &'a Label) {
-        self.t.dir().slot(id).expect("writer-side slot id in range")
+        self.t.slot_at(id)
     }
 
     fn meta(&self, id: u32) -> &'a Meta {
@@ -542,12 +916,33 @@ impl<'a> Ctx<'a> {
         self.meta(id).shape.load(Relaxed)
     }
 
+    fn ws(&self, id: u32) -> &'a WSlot {
+        self.t.wslot(id)
+    }
+
+    fn parent(&self, id: u32) -> u32 {
+        self.ws(id).parent.load(Relaxed)
+    }
+
+    fn set_parent(&self, id: u32, p: u32) {
+        self.ws(id).parent.store(p, Relaxed);
+    }
+
     fn end(&self, id: u32) -> usize {
-        (self.w.wm[id as usize].end & !TERMINAL) as usize
+        (self.ws(id).end.load(Relaxed) & !TERMINAL) as usize
     }
 
     fn is_terminal(&self, id: u32) -> bool {
-        self.w.wm[id as usize].end & TERMINAL != 0
+        self.ws(id).end.load(Relaxed) & TERMINAL != 0
+    }
+
+    /// Reset the bookkeeping of a newly placed node.
+    fn init_ws(&self, id: u32, parent: u32, end: usize) {
+        let w = self.ws(id);
+        w.parent.store(parent, Relaxed);
+        w.prev.store(NIL, Relaxed);
+        w.next.store(NIL, Relaxed);
+        w.end.store(end as u32, Relaxed);
     }
 
     fn read_label(&self, id: u32) -> ([u8; LABEL_BYTES], usize) {
@@ -560,83 +955,60 @@ impl<'a> Ctx<'a> {
     }
 
     fn write_label(&self, id: u32, bytes: &[u8]) {
-        let mut buf = [0u8; LABEL_BYTES];
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let l = self.slot(id).1;
-        for (i, w) in l.0.iter().enumerate() {
-            w.store(load_word(&buf, i * 8), Relaxed);
-        }
+        store_label(self.slot(id).1, bytes);
     }
 
-    fn publish(&self) {
-        let t = self.t;
-        t.nodes.store(self.w.nodes, Relaxed);
-        t.bytes.store(self.w.bytes, Relaxed);
-        t.prompts.store(self.w.prompts, Relaxed);
-        t.evictions.store(self.w.evictions, Relaxed);
-        let mem = std::mem::size_of::<PrefixTrie>()
-            + self.w.segments * std::mem::size_of::<Segment>()
-            + self.w.wm.capacity() * std::mem::size_of::<WMeta>()
-            + self.w.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
-            + self.w.retired_bytes
-            + self.w.retired.capacity() * std::mem::size_of::<*mut Dir>();
-        t.mem.store(mem, Relaxed);
+    /// Hand this critical section's freed slots to the allocator and publish the counters.
+    fn publish(&mut self) {
+        if self.w.freed_head != NIL {
+            self.t.give_back(self.w.freed_head, self.w.freed_tail);
+            (self.w.freed_head, self.w.freed_tail) = (NIL, NIL);
+        }
+        let st = &self.t.stats;
+        st.nodes.store(self.w.nodes, Relaxed);
+        st.bytes.store(self.w.bytes, Relaxed);
+        st.prompts.store(self.w.prompts, Relaxed);
+        st.evictions.store(self.w.evictions, Relaxed);
+        st.lru_head.store(self.w.lru_head, Relaxed);
     }
 
     // ---- slots -------------------------------------------------------------------------
 
     fn alloc(&mut self) -> u32 {
-        if self.w.free != NIL {
-            let id = self.w.free;
-            self.w.free = self.w.wm[id as usize].next;
-            self.w.wm[id as usize] = WMETA_EMPTY;
-            return id;
-        }
-        let id = self.w.wm.len();
-        assert!(id < NIL as usize, "trie slot ids exhausted");
-        if id % SEG_SLOTS == 0 {
-            self.add_segment(id >> SEG_SHIFT);
-        }
-        self.w.wm.push(WMETA_EMPTY);
-        id as u32
+        self.t.take_slots(1)
     }
 
-    fn add_segment(&mut self, seg: usize) {
-        let cur = self.t.dir.load(Relaxed);
-        // SAFETY: the writer owns directory replacement; `cur` is live.
-        let cur_ref = unsafe { &*cur };
-        if seg >= cur_ref.segs.len() {
-            let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
-            for (a, b) in cur_ref.segs.iter().zip(grown.segs.iter()) {
-                b.store(a.load(Relaxed), Relaxed);
-            }
-            self.w.dir_len = grown.segs.len();
-            self.t.dir.store(Box::into_raw(grown), Release);
-            self.w.retired_bytes += cur_ref.segs.len() * std::mem::size_of::<AtomicPtr<Segment>>()
-                + std::mem::size_of::<Dir>();
-            self.w.retired.push(cur);
-        }
-        let layout = Layout::new::<Segment>();
-        // SAFETY: `Segment` has non-zero size; all-zero bytes are a valid `Segment` (atomics).
-        let p = unsafe { alloc_zeroed(layout) }.cast::<Segment>();
-        if p.is_null() {
-            handle_alloc_error(layout);
-        }
-        self.t.dir().segs[seg].store(p, Release);
-        self.w.segments += 1;
-        self.w.wm.reserve_exact(SEG_SLOTS);
-    }
-
-    /// Free a slot that the caller has already locked.
+    /// Free a slot that the caller has already locked (it is reused after this section).
     fn free_locked(&mut self, id: u32) {
         let m = self.meta(id);
         m.shape.store(0, Relaxed);
         unlock(m);
-        self.w.wm[id as usize] = WMeta {
-            next: self.w.free,
-            ..WMETA_EMPTY
-        };
-        self.w.free = id;
+        self.init_ws(id, NIL, 0);
+        self.push_freed(id);
+    }
+
+    /// Queue `id` for the allocator, on top of the slots freed earlier in this section.
+    fn push_freed(&mut self, id: u32) {
+        self.ws(id).next.store(self.w.freed_head, Relaxed);
+        if self.w.freed_head == NIL {
+            self.w.freed_tail = id;
+        }
+        self.w.freed_head = id;
+    }
+
+    /// Return an unpublished chain's slots (its walk went stale and it cannot be used).
+    fn discard(&mut self, c: Chain) {
+        let mut id = c.first;
+        loop {
+            let next = self.meta(id).kid[0].load(Relaxed);
+            self.meta(id).shape.store(0, Relaxed);
+            self.init_ws(id, NIL, 0);
+            self.push_freed(id);
+            if id == c.last {
+                return;
+            }
+            id = next;
+        }
     }
 
     fn alloc_block(&mut self) -> u32 {
@@ -786,32 +1158,36 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    fn kid_remove(&mut self, n: u32, key: u8) {
+    /// Remove child `c` (found by id, so the child's own cold label line is never read).
+    fn kid_remove(&mut self, n: u32, c: u32) {
         let s = self.shape(n);
         let f = shape_nkids(s);
         let len = shape_len(s);
+        let m = self.meta(n);
         match f {
             0 => unreachable!("remove on a leaf"),
-            1 => self.meta(n).shape.store(make_shape(len, 0, 0, 0), Relaxed),
+            1 => {
+                debug_assert_eq!(m.kid[0].load(Relaxed), c);
+                m.shape.store(make_shape(len, 0, 0, 0), Relaxed);
+            }
             2 => {
-                let m = self.meta(n);
-                if shape_key0(s) == key {
+                if m.kid[0].load(Relaxed) == c {
                     m.kid[0].store(m.kid[1].load(Relaxed), Relaxed);
                     m.shape.store(make_shape(len, 1, shape_key1(s), 0), Relaxed);
                 } else {
+                    debug_assert_eq!(m.kid[1].load(Relaxed), c);
                     m.shape.store(make_shape(len, 1, shape_key0(s), 0), Relaxed);
                 }
                 m.kid[1].store(NIL, Relaxed);
             }
             3 => {
-                let b = self.meta(n).kid[0].load(Relaxed);
+                let b = m.kid[0].load(Relaxed);
                 let rest: Vec<(u8, u32)> = self
                     .kids(n)
                     .into_iter()
-                    .filter(|&(k, _)| k != key)
+                    .filter(|&(_, id)| id != c)
                     .collect();
                 debug_assert_eq!(rest.len(), 2);
-                let m = self.meta(n);
                 m.kid[0].store(rest[0].1, Relaxed);
                 m.kid[1].store(rest[1].1, Relaxed);
                 m.shape
@@ -827,7 +1203,7 @@ impl<'a> Ctx<'a> {
                 let (lk, lc) = self.block_get(last, lcnt - 1);
                 'found: for &b in &chain {
                     for i in 0..self.block_count(b) {
-                        if self.block_get(b, i).0 == key {
+                        if self.block_get(b, i).1 == c {
                             self.block_set(b, i, lk, lc);
                             break 'found;
                         }
@@ -842,9 +1218,7 @@ impl<'a> Ctx<'a> {
                 } else {
                     self.set_block_count(last, lcnt - 1);
                 }
-                self.meta(n)
-                    .shape
-                    .store(make_shape(len, f - 1, 0, 0), Relaxed);
+                m.shape.store(make_shape(len, f - 1, 0, 0), Relaxed);
             }
         }
     }
@@ -853,28 +1227,29 @@ impl<'a> Ctx<'a> {
 
     fn lru_push_back(&mut self, id: u32) {
         let tail = self.w.lru_tail;
-        let e = &mut self.w.wm[id as usize];
-        e.prev = tail;
-        e.next = NIL;
+        let e = self.ws(id);
+        e.prev.store(tail, Relaxed);
+        e.next.store(NIL, Relaxed);
         if tail == NIL {
             self.w.lru_head = id;
         } else {
-            self.w.wm[tail as usize].next = id;
+            self.ws(tail).next.store(id, Relaxed);
         }
         self.w.lru_tail = id;
     }
 
     fn lru_remove(&mut self, id: u32) {
-        let WMeta { prev, next, .. } = self.w.wm[id as usize];
+        let e = self.ws(id);
+        let (prev, next) = (e.prev.load(Relaxed), e.next.load(Relaxed));
         if prev == NIL {
             self.w.lru_head = next;
         } else {
-            self.w.wm[prev as usize].next = next;
+            self.ws(prev).next.store(next, Relaxed);
         }
         if next == NIL {
             self.w.lru_tail = prev;
         } else {
-            self.w.wm[next as usize].prev = prev;
+            self.ws(next).prev.store(prev, Relaxed);
         }
     }
 
@@ -885,7 +1260,7 @@ impl<'a> Ctx<'a> {
                 self.lru_push_back(id);
             }
         } else {
-            self.w.wm[id as usize].end |= TERMINAL;
+            self.ws(id).end.fetch_or(TERMINAL, Relaxed);
             self.lru_push_back(id);
             self.w.prompts += 1;
         }
@@ -893,7 +1268,7 @@ impl<'a> Ctx<'a> {
 
     // ---- insert ----------------------------------------------------------------------------
 
-    fn apply(&mut self, prompt: &[u8], wk: Walk) {
+    fn apply(&mut self, prompt: &[u8], wk: Walk, chain: Option<Chain>) {
         let Walk {
             pos: d,
             node: x,
@@ -902,6 +1277,9 @@ impl<'a> Ctx<'a> {
             ..
         } = wk;
         if d == prompt.len() {
+            if let Some(c) = chain {
+                self.discard(c); // someone stored the rest of this prompt meanwhile
+            }
             if off == len {
                 self.mark_terminal(x);
             } else {
@@ -910,57 +1288,36 @@ impl<'a> Ctx<'a> {
             }
             return;
         }
+        let c = match chain {
+            Some(c) if c.d == d => c,
+            stale => {
+                if let Some(c) = stale {
+                    self.discard(c);
+                }
+                self.t.prebuild(&prompt[d..], d)
+            }
+        };
+        self.w.nodes += c.nodes;
+        self.w.bytes += prompt.len() - d;
         let key = prompt[d];
-        let (first, last) = self.build_chain(&prompt[d..], d);
         if off == len {
             let m = self.meta(x);
             lock(m);
-            self.kid_add(x, key, first);
+            self.kid_add(x, key, c.first);
             unlock(self.meta(x));
-            self.w.wm[first as usize].parent = x;
+            self.set_parent(c.first, x);
         } else {
-            let u = self.split(x, off, Some((key, first)));
-            self.w.wm[first as usize].parent = u;
+            let u = self.split(x, off, Some((key, c.first)));
+            self.set_parent(c.first, u);
         }
-        self.mark_terminal(last);
-    }
-
-    /// Nodes for `bytes`, which start at depth `d`, cut at multiples of `k`; unpublished.
-    fn build_chain(&mut self, bytes: &[u8], d: usize) -> (u32, u32) {
-        let k = self.t.k;
-        let end_all = d + bytes.len();
-        let first = self.alloc();
-        let (mut id, mut parent, mut depth) = (first, NIL, d);
-        loop {
-            let end = end_all.min((depth / k + 1) * k);
-            let chunk = &bytes[depth - d..end - d];
-            let last = end == end_all;
-            let next = if last { NIL } else { self.alloc() };
-            self.write_label(id, chunk);
-            let m = self.meta(id);
-            let (nk, key) = if last { (0, 0) } else { (1, bytes[end - d]) };
-            m.shape.store(make_shape(chunk.len(), nk, key, 0), Relaxed);
-            m.kid[0].store(next, Relaxed);
-            m.kid[1].store(NIL, Relaxed);
-            self.w.wm[id as usize] = WMeta {
-                parent,
-                end: end as u32,
-                ..WMETA_EMPTY
-            };
-            self.w.nodes += 1;
-            self.w.bytes += chunk.len();
-            if last {
-                return (first, id);
-            }
-            (parent, id, depth) = (id, next, end);
-        }
+        self.mark_terminal(c.last);
     }
 
     /// Cut `x` after `off` label bytes: a new upper node takes `x`'s place under its parent
     /// (`x` keeps its id, end depth and subtree). `extra` becomes the upper node's second child.
     fn split(&mut self, x: u32, off: usize, extra: Option<(u8, u32)>) -> u32 {
         let (lab, len) = self.read_label(x);
-        let p = self.w.wm[x as usize].parent;
+        let p = self.parent(x);
         let u = self.alloc();
         self.write_label(u, &lab[..off]);
         let (nk, k1, c1) = extra.map_or((1, 0, NIL), |(k, c)| (2, k, c));
@@ -968,11 +1325,7 @@ impl<'a> Ctx<'a> {
         mu.shape.store(make_shape(off, nk, lab[off], k1), Relaxed);
         mu.kid[0].store(x, Relaxed);
         mu.kid[1].store(c1, Relaxed);
-        self.w.wm[u as usize] = WMeta {
-            parent: p,
-            end: (self.end(x) - (len - off)) as u32,
-            ..WMETA_EMPTY
-        };
+        self.init_ws(u, p, self.end(x) - (len - off));
         let (mp, mx) = (self.meta(p), self.meta(x));
         lock(mp);
         lock(mx);
@@ -984,7 +1337,7 @@ impl<'a> Ctx<'a> {
             .store((sx & !LEN_MASK) | (len - off) as u32, Relaxed);
         unlock(self.meta(x));
         unlock(self.meta(p));
-        self.w.wm[x as usize].parent = u;
+        self.set_parent(x, u);
         self.w.nodes += 1;
         u
     }
@@ -1001,39 +1354,82 @@ impl<'a> Ctx<'a> {
     fn evict_oldest(&mut self) {
         let t = self.w.lru_head;
         self.lru_remove(t);
-        self.w.wm[t as usize].end &= !TERMINAL;
+        self.ws(t).end.fetch_and(!TERMINAL, Relaxed);
         self.w.prompts -= 1;
         self.w.evictions += 1;
-        let k = self.t.k;
+        // The next victim's lines are cold (it is the oldest prompt): fetch them now so the
+        // next eviction does not start with a chain of DRAM misses.
+        self.prefetch_slot(self.w.lru_head, 0);
+        if shape_nkids(self.shape(t)) > 0 {
+            self.compress(t);
+            return;
+        }
+        // `t` is a leaf: climb its exclusive run (non-terminal single-child ancestors) up to
+        // the first ancestor `a` another prompt still needs (root, terminal, or branching).
+        let mut top = t;
+        let mut a = self.parent(t);
+        while a != ROOT && !self.is_terminal(a) && shape_nkids(self.shape(a)) == 1 {
+            // Chains are allocated back to back, so the climb usually walks down the slots.
+            self.prefetch_slot(a, PREFETCH_AHEAD);
+            top = a;
+            a = self.parent(a);
+        }
+        lock(self.meta(a));
+        self.kid_remove(a, top);
+        unlock(self.meta(a));
+        // Free leaf first, so the run's top ends on top of the free stack and a later chain
+        // reuses the run in its original (ascending) order.
         let mut cur = t;
-        while cur != ROOT && !self.is_terminal(cur) {
-            let s = self.shape(cur);
-            match shape_nkids(s) {
-                0 => {
-                    let p = self.w.wm[cur as usize].parent;
-                    let key = self.read_label(cur).0[0];
-                    lock(self.meta(p));
-                    self.kid_remove(p, key);
-                    unlock(self.meta(p));
-                    lock(self.meta(cur));
-                    self.free_locked(cur);
-                    self.w.nodes -= 1;
-                    self.w.bytes -= shape_len(s);
-                    cur = p;
+        loop {
+            let p = self.parent(cur);
+            self.w.bytes -= shape_len(self.shape(cur));
+            lock(self.meta(cur));
+            self.free_locked(cur);
+            self.w.nodes -= 1;
+            if cur == top {
+                break;
+            }
+            cur = p;
+        }
+        if a != ROOT && !self.is_terminal(a) {
+            self.compress(a);
+        }
+    }
+
+    /// Merge non-terminal `n` into its only child if nothing requires a node boundary there.
+    fn compress(&mut self, n: u32) {
+        if shape_nkids(self.shape(n)) == 1 && !self.end(n).is_multiple_of(self.t.k) {
+            self.merge_into_child(n);
+        }
+    }
+
+    /// Hint the CPU to fetch the writer and reader metadata of slots `id - ahead ..= id`.
+    fn prefetch_slot(&self, id: u32, ahead: u32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            if id == NIL {
+                return;
+            }
+            let id = id.saturating_sub(ahead);
+            if let Some((m, _)) = self.t.dir().slot(id) {
+                // SAFETY: prefetching has no memory effects; both addresses are in bounds.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>((m as *const Meta).cast());
+                    if let Some(w) = self.t.dir().ws(id) {
+                        _mm_prefetch::<_MM_HINT_T0>((w as *const WSlot).cast());
+                    }
                 }
-                1 if self.end(cur) % k != 0 => {
-                    self.merge_into_child(cur);
-                    break;
-                }
-                _ => break,
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (id, ahead);
     }
 
     /// Fold non-branching, non-terminal `n` into its only child (the child keeps its id).
     fn merge_into_child(&mut self, n: u32) {
         let c = self.meta(n).kid[0].load(Relaxed);
-        let p = self.w.wm[n as usize].parent;
+        let p = self.parent(n);
         let (nl, nlen) = self.read_label(n);
         let (cl, clen) = self.read_label(c);
         debug_assert!(nlen + clen <= self.t.k);
@@ -1052,7 +1448,7 @@ impl<'a> Ctx<'a> {
         unlock(self.meta(c));
         self.free_locked(n);
         unlock(self.meta(p));
-        self.w.wm[c as usize].parent = p;
+        self.set_parent(c, p);
         self.w.nodes -= 1;
     }
 }
@@ -1095,7 +1491,10 @@ impl PrefixTrie {
                     terminals += 1;
                     paths.insert(id, path.clone());
                 } else {
-                    assert!(f >= 2 || (f == 1 && end % k == 0), "redundant node {id}");
+                    assert!(
+                        f >= 2 || (f == 1 && end.is_multiple_of(k)),
+                        "redundant node {id}"
+                    );
                 }
             } else {
                 assert_eq!(shape_len(s), 0);
@@ -1121,12 +1520,12 @@ impl PrefixTrie {
             let keys: HashSet<u8> = kids.iter().map(|&(k, _)| k).collect();
             assert_eq!(keys.len(), f, "duplicate child keys under {id}");
             for (key, c) in kids {
-                assert_eq!(cx.w.wm[c as usize].parent, id, "parent of {c}");
+                assert_eq!(cx.parent(c), id, "parent of {c}");
                 let (lab, len) = cx.read_label(c);
                 assert_eq!(lab[0], key, "key of {c}");
                 // Through the reader's lookup as well.
                 let d = self.dir();
-                assert_eq!(find_kid(d, m, s, key), c);
+                assert_eq!(find_kid(d, m, s, key), Some(c));
                 let mut p = path.clone();
                 p.extend_from_slice(&lab[..len]);
                 stack.push((c, p));
@@ -1135,20 +1534,22 @@ impl PrefixTrie {
         assert_eq!(nodes, cx.w.nodes, "node count");
         assert_eq!(bytes, cx.w.bytes, "byte count");
         assert_eq!(terminals, cx.w.prompts, "prompt count");
+        let a = self.alloc.lock();
         let mut free = 0;
-        let mut f = cx.w.free;
+        let mut f = a.free;
         while f != NIL {
             assert!(!seen.contains(&f), "free slot {f} reachable");
             free += 1;
-            f = cx.w.wm[f as usize].next;
+            f = cx.ws(f).next.load(Relaxed);
         }
-        assert_eq!(free + seen.len(), cx.w.wm.len(), "slots leaked");
+        assert_eq!(free + seen.len(), a.high, "slots leaked");
+        drop(a);
         let mut out = Vec::new();
         let (mut cur, mut prev) = (cx.w.lru_head, NIL);
         while cur != NIL {
-            assert_eq!(cx.w.wm[cur as usize].prev, prev, "lru back link");
+            assert_eq!(cx.ws(cur).prev.load(Relaxed), prev, "lru back link");
             out.push(paths.remove(&cur).expect("lru entry is a live terminal"));
-            (prev, cur) = (cur, cx.w.wm[cur as usize].next);
+            (prev, cur) = (cur, cx.ws(cur).next.load(Relaxed));
         }
         assert_eq!(prev, cx.w.lru_tail);
         assert!(paths.is_empty(), "terminal missing from lru");
@@ -1489,6 +1890,8 @@ mod tests {
         Insert(Vec<u8>),
         /// Re-insert a prefix of an earlier prompt extended by new bytes (a conversation turn).
         Extend(usize, usize, Vec<u8>),
+        /// Re-insert an earlier prompt exactly (refreshes its LRU position).
+        Reinsert(usize),
         Match(Vec<u8>),
         SetCap(usize),
     }
@@ -1498,6 +1901,7 @@ mod tests {
         prop_oneof![
             4 => s().prop_map(Op::Insert),
             4 => (any::<usize>(), any::<usize>(), s()).prop_map(|(i, l, x)| Op::Extend(i, l, x)),
+            3 => any::<usize>().prop_map(Op::Reinsert),
             3 => s().prop_map(Op::Match),
             1 => (0..=max_cap).prop_map(Op::SetCap),
         ]
@@ -1533,6 +1937,12 @@ mod tests {
                         }
                     }
                     history.push(p);
+                }
+                Op::Reinsert(i) => {
+                    if let Some(p) = history.get(i % history.len().max(1)).cloned() {
+                        t.insert(&p);
+                        m.insert(&p);
+                    }
                 }
                 Op::Match(q) => probes.push(q),
                 Op::SetCap(c) => {
@@ -1620,6 +2030,41 @@ mod tests {
         want.sort();
         want.dedup();
         assert_eq!(stored, want);
+    }
+
+    #[test]
+    fn optimistic_reads_never_validate_a_short_match() {
+        // Regression: a child block in a segment allocated after a reader's directory snapshot
+        // was reported as an absent child, and the (unchanged) parent validated the short match.
+        // Many fresh segments (label chunk 8) and wide fan-out make that window common.
+        for round in 0..12u64 {
+            let t = Arc::new(PrefixTrie::with_label_bytes(1 << 20, 8));
+            let sys = b"shared system prompt ".repeat(10);
+            let handles: Vec<_> = (0..4u64)
+                .map(|th| {
+                    let (t, sys) = (t.clone(), sys.clone());
+                    std::thread::spawn(move || {
+                        for i in 0..300u64 {
+                            let seed = round * 100_000 + th * 1000 + i;
+                            let p = prompt(seed, &sys, 20 + (i as usize % 50));
+                            t.insert(&p);
+                            let n = t.match_len(&p);
+                            if n != p.len() {
+                                let locked = {
+                                    let _g = t.writer.lock();
+                                    t.walk(&p).map(|w| w.pos)
+                                };
+                                panic!("round {round}: saw {n} of {}, locked {locked:?}", p.len());
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            t.check();
+        }
     }
 
     #[test]
