@@ -36,9 +36,10 @@ NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 scripts/setup.sh
 cargo build --release -q --bin rolter -p rolter
 cargo build --release -q --bin rolter-stub -p rolter-loadtest
-BIN=target/release
-
 WORK=$(mktemp -d /tmp/rolter-overhead.XXXXXX)
+# Private copies: a shared target directory may be rebuilt by someone else mid-run.
+BIN=$WORK/bin
+mkdir -p "$BIN" && cp target/release/rolter target/release/rolter-stub "$BIN/"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done

@@ -23,9 +23,13 @@ WORKLOADS="${WORKLOADS:-multi-turn multi-turn-pressure few-shot unique}"
 TARGET="${CARGO_TARGET_DIR:-target}"
 
 cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-load
+# Run private copies: a shared target directory may be rebuilt by someone else mid-run.
+BIN=$(mktemp -d /tmp/rolter-run.XXXXXX)
+trap 'rm -rf "$BIN"' EXIT
+cp "$TARGET/release/rolter" "$TARGET/release/rolter-load" "$BIN/"
 
 FLEET=(--replicas 4 --max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
-COMMON=(--gateway "$TARGET/release/rolter" --strategies "$STRATEGIES" --clients 32 --max-duration-secs 120)
+COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --clients 32 --max-duration-secs 120)
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)
@@ -44,7 +48,7 @@ for w in $WORKLOADS; do
       echo "unknown workload $w" >&2; exit 2 ;;
   esac
   echo "### $w" >&2
-  "$TARGET/release/rolter-load" compare "${args[@]}" "${FLEET[@]}" "${COMMON[@]}" \
+  "$BIN/rolter-load" compare "${args[@]}" "${FLEET[@]}" "${COMMON[@]}" \
     --out "loadtest/reports/$w.md" > /dev/null
 done
 echo "reports in loadtest/reports/" >&2
