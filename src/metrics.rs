@@ -5,8 +5,9 @@
 //! record outcomes here. Hot-path users keep pre-resolved handles (see `fleet`).
 
 use prometheus::{
-    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
-    register_int_gauge, Encoder, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, TextEncoder,
+    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge,
+    register_int_gauge_vec, Encoder, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+    TextEncoder,
 };
 use std::sync::LazyLock;
 

@@ -112,12 +112,12 @@ impl Gateway {
         let limits = &table.limits;
         // Held until the response ends, however it ends; taken before the body is read
         // so the cap also bounds the memory of bodies being buffered.
-        let _admitted = self
-            .admission
-            .try_admit(limits.max_inflight)
-            .ok_or(GatewayError::Overloaded {
-                limit: limits.max_inflight,
-            })?;
+        let _admitted =
+            self.admission
+                .try_admit(limits.max_inflight)
+                .ok_or(GatewayError::Overloaded {
+                    limit: limits.max_inflight,
+                })?;
         let body = body::read_body(
             session,
             limits.max_body_bytes,
