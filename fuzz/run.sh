@@ -48,6 +48,8 @@ echo "toolchain: $TOOLCHAIN ($("${CARGO[@]}" --version)), sanitizer: $SANITIZER"
 seed() { mkdir -p "seeds/$1"; }
 seed kv_decode; cp "$ROOT"/tests/fixtures/kv_events/*.bin seeds/kv_decode/
 seed config_parse; cp "$ROOT"/conf/*.toml seeds/config_parse/
+# Once a crash: a quoted key with a newline split a problem over two lines.
+printf '"a\\nb" = 1\n[limits]\n"x\\ty" = 2\n' > seeds/config_parse/control_chars
 seed token_ids
 printf '1,2,3' > seeds/token_ids/short
 printf ' 0 , 4294967295,17 ' > seeds/token_ids/edges

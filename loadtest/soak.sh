@@ -9,7 +9,9 @@
 # Knobs (environment): SOAK_MINUTES (10), SOAK_REPORT (loadtest/reports/soak.md),
 # SOAK_PORT_BASE (19000: gateway +80, replica i HTTP +1+i, KV PUB +101+2i, replay +102+2i),
 # SOAK_CLIENTS (2 closed-loop clients per driver), SOAK_SAMPLE_SECS (10), SOAK_BUILD (1: run
-# `cargo build --release` first; 0 uses the binaries already in $CARGO_TARGET_DIR/release).
+# `cargo build --release` first; 0 uses the binaries already in $CARGO_TARGET_DIR/release),
+# SOAK_FAULT_EVERY (30 s between faults), SOAK_FAULTS (which steps of the cycle below to
+# inject, in order, e.g. "7" for KV stalls only; default all: "0 1 2 3 4 5 6 7 8").
 #
 # What runs: four single-replica `rolter-sim` processes (one process per replica, so a
 # replica can really be killed and restarted), the gateway with four routes over them
@@ -37,7 +39,8 @@ BUILD="${SOAK_BUILD:-1}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 BIN="$TARGET/release"
 REPLICAS=4
-FAULT_EVERY=30
+FAULT_EVERY="${SOAK_FAULT_EVERY:-30}"
+read -r -a FAULTS <<< "${SOAK_FAULTS:-0 1 2 3 4 5 6 7 8}"
 KILL_DOWN_SECS=10
 GW_PORT=$((BASE + 80))
 GW="http://127.0.0.1:$GW_PORT"
@@ -208,7 +211,7 @@ while [ "$(date +%s)" -lt "$END" ]; do
     next_sample=$((next_sample + SAMPLE_SECS))
   fi
   if [ "$(date +%s)" -ge "$next_fault" ]; then
-    case $((step % 9)) in
+    case "${FAULTS[$((step % ${#FAULTS[@]}))]}" in
       0) fault "SIGKILL replica r1 (restart in ${KILL_DOWN_SECS} s)"
          kill -9 "${SIM_PIDS[1]}"; wait "${SIM_PIDS[1]}" 2>/dev/null || true
          KILLS+=("$(now)")
@@ -243,6 +246,18 @@ sleep 2
 sample
 ALIVE=yes
 kill -0 "$GW_PID" 2>/dev/null || ALIVE=no
+# Idle RSS, then again after glibc returns free heap pages to the OS (malloc_trim(0) via
+# gdb): what the second number drops by was freed memory the allocator kept, not live data.
+rss_mib() { awk '/^VmRSS/ { printf "%.1f", $2 / 1024 }' "/proc/$GW_PID/status"; }
+TRIM="not measured (gdb not installed)"
+if [ "$ALIVE" = yes ] && command -v gdb > /dev/null; then
+  idle=$(rss_mib)
+  if timeout 60 gdb -p "$GW_PID" -batch -ex 'call (int)malloc_trim(0)' > /dev/null 2>&1; then
+    TRIM="$idle → $(rss_mib) MiB"
+  else
+    TRIM="$idle MiB (gdb could not attach)"
+  fi
+fi
 curl -sf "$GW/metrics" > "$WORK/final.txt" || : > "$WORK/final.txt"
 
 # ---- report ----
@@ -267,7 +282,7 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
 {
   echo "# Soak: ${MINUTES} minutes of mixed load with faults"
   echo
-  echo "Produced by \`SOAK_MINUTES=$MINUTES loadtest/soak.sh\` (release build) on $(date -u +%Y-%m-%d), $(nproc) cores."
+  echo "Produced by \`SOAK_MINUTES=$MINUTES SOAK_FAULTS=\"${FAULTS[*]}\" loadtest/soak.sh\` (release build) on $(date -u +%Y-%m-%d), $(nproc) cores."
   echo "Gateway: \`rolter\` (2 worker threads) in front of $REPLICAS \`rolter-sim\` processes (one replica each:"
   echo "at most 4 running requests, 512-block cache, 20 µs/uncached prompt token, 2 ms/output token, 32 output"
   echo "tokens), routes \`mt\` cache_aware, \`fs\` precise_cache_aware (KV events + replay), \`uq\` lmcache_aware,"
@@ -290,6 +305,7 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
   echo "| gateway alive at the end | $ALIVE |"
   echo "| RSS after warm-up (t ≥ ${WARM} s): first / last / max | $((rss_warm / 1024)) / $((rss_last / 1024)) / $((rss_max / 1024)) MiB |"
   echo "| open fds after warm-up: min / max | $fd_min / $fd_max |"
+  echo "| idle RSS at the end, before → after \`malloc_trim(0)\` | $TRIM |"
   echo
   echo "## Gateway errors by kind (\`rolter_request_errors_total\`)"
   echo
