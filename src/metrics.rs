@@ -5,8 +5,9 @@
 //! record outcomes here. Hot-path users keep pre-resolved handles (see `fleet`).
 
 use prometheus::{
-    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
-    Encoder, HistogramVec, IntCounterVec, IntGaugeVec, TextEncoder,
+    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge,
+    register_int_gauge_vec, Encoder, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+    TextEncoder,
 };
 use std::sync::LazyLock;
 
@@ -18,6 +19,8 @@ pub struct Metrics {
     pub errors: IntCounterVec,
     /// Requests in flight per target.
     pub inflight: IntGaugeVec,
+    /// Requests admitted by the global cap (`limits.max_inflight`), refreshed at scrape time.
+    pub admitted: IntGauge,
     /// Total upstream latency (selection to last byte) per target.
     pub upstream_latency: HistogramVec,
     /// Time to the upstream's response header per target.
@@ -75,6 +78,11 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["target"]
     )
     .expect("register rolter_inflight_requests"),
+    admitted: register_int_gauge!(
+        "rolter_admitted_requests",
+        "Requests being proxied now, counted against limits.max_inflight"
+    )
+    .expect("register rolter_admitted_requests"),
     upstream_latency: register_histogram_vec!(
         "rolter_upstream_latency_seconds",
         "Upstream latency from target selection to the last response byte",

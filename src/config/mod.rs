@@ -69,17 +69,37 @@ pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     // serde_ignored writes an `Option`'s `Some` as a `?` segment: drop it from the path.
     let config: Config =
         serde_ignored::deserialize(de, |key| unknown.push(key.to_string().replace(".?", "")))
-            .map_err(|e: toml::de::Error| invalid(vec![one_line(text, &e)]))?;
+            .map_err(|e: toml::de::Error| invalid(vec![single_line(one_line(text, &e))]))?;
     let mut problems: Vec<String> = unknown
         .into_iter()
         .map(|key| format!("{key}: unknown key"))
         .collect();
     problems.extend(validate::problems(&config));
+    let problems: Vec<String> = problems.into_iter().map(single_line).collect();
     if problems.is_empty() {
         Ok(config)
     } else {
         Err(invalid(problems))
     }
+}
+
+/// A problem quotes keys and values from the file, which may hold control characters
+/// (`"a\nb" = 1` is a valid key): escape them so each problem stays one line (found by
+/// `fuzz/fuzz_targets/config_parse.rs`).
+fn single_line(problem: String) -> String {
+    if !problem.chars().any(char::is_control) {
+        return problem;
+    }
+    problem
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// Fold toml's multi-line diagnostic into one line: "line L, column C: message".

@@ -11,6 +11,19 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 /// Default time a client has to send the whole request body (slow-body defence).
 pub const DEFAULT_CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
+/// Default cap on requests being proxied at once (all routes). Each holds a buffered
+/// body of up to `max_body_bytes`, so this also bounds that memory (1024 × 4 MiB = 4 GiB
+/// worst case). vLLM runs at most 256 sequences per replica (`--max-num-seqs` default),
+/// so 1024 keeps a four-replica fleet's batches full; beyond it clients get 503.
+pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
+/// Default time an idle client connection is kept open for its next request, seconds
+/// (pingora keep-alive granularity). 60 s is what pingora itself allows a new
+/// connection to send its first request; pingora would keep a reused HTTP/1.1
+/// connection idle forever without it.
+pub const DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S: u64 = 60;
+/// Default time one write to a client may block (a client that stops reading a
+/// stream): after it the exchange ends and the upstream connection is freed.
+pub const DEFAULT_CLIENT_WRITE_TIMEOUT_MS: u64 = 60_000;
 /// Default idle time of a pooled upstream connection. vLLM's uvicorn closes idle
 /// keep-alive connections after 5 s (`--timeout-keep-alive` default), so stay below it.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
@@ -365,6 +378,13 @@ pub struct LimitsConfig {
     /// Whole-exchange limit (selection to last byte); 0 = none. Exceeded before the
     /// response started gives 504; after, the stream is cut.
     pub total_timeout_ms: u64,
+    /// Requests being proxied at once, over all routes; beyond it 503 + Retry-After.
+    pub max_inflight: usize,
+    /// Idle time of a kept-alive client connection between requests, seconds;
+    /// 0 closes every client connection after its response.
+    pub client_keepalive_timeout_s: u64,
+    /// Longest a single write to a client may block.
+    pub client_write_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -376,6 +396,9 @@ impl Default for LimitsConfig {
             client_body_timeout_ms: DEFAULT_CLIENT_BODY_TIMEOUT_MS,
             upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
             total_timeout_ms: 0,
+            max_inflight: DEFAULT_MAX_INFLIGHT,
+            client_keepalive_timeout_s: DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S,
+            client_write_timeout_ms: DEFAULT_CLIENT_WRITE_TIMEOUT_MS,
         }
     }
 }

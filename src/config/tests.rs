@@ -257,3 +257,27 @@ fn endpoint_egress_problem_is_reusable_for_any_scheme() {
         "{p}"
     );
 }
+
+/// Regression (fuzz/fuzz_targets/config_parse.rs): keys and values quoted in a problem
+/// may hold control characters; each problem must still be exactly one line.
+#[test]
+fn control_characters_in_keys_and_values_stay_on_one_line() {
+    let text = GOOD.replace(
+        "api_base = \"http://localhost:8002/prefix\"",
+        "api_base = \"http://x\\ny\"\n\"a\\nb\\r\\u0007\" = 1",
+    ) + "\"top\\nkey\" = 2\n";
+    let err = parse(&text, "nl.toml").unwrap_err();
+    let message = err.to_string();
+    let lines: Vec<&str> = message.lines().collect();
+    assert_eq!(lines.len(), err.problems().len(), "{message}");
+    assert!(
+        lines.iter().all(|l| l.starts_with("nl.toml: ")),
+        "{message}"
+    );
+    assert!(message.contains("a\\nb\\r\\u{7}: unknown key"), "{message}");
+    assert!(message.contains("top\\nkey: unknown key"), "{message}");
+    assert!(message.contains("bad URL \"http://x\\ny\""), "{message}");
+    // A syntax error quoting such a key is one line too.
+    let err = parse("\"a\\nb\" = 1\n\"a\\nb\" = 2\n", "dup.toml").unwrap_err();
+    assert_eq!(err.to_string().lines().count(), 1, "{err}");
+}

@@ -149,6 +149,8 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             "limits.upstream_idle_timeout_ms",
             l.upstream_idle_timeout_ms,
         ),
+        ("limits.max_inflight", l.max_inflight as u64),
+        ("limits.client_write_timeout_ms", l.client_write_timeout_ms),
     ] {
         if value == 0 {
             out.push(format!("{key}: must be greater than 0"));

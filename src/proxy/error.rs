@@ -16,6 +16,8 @@ pub enum GatewayError {
     PayloadTooLarge { limit: usize },
     #[error("request body not received within {0} ms")]
     ClientBodyTimeout(u64),
+    #[error("the gateway is at its limit of {limit} requests in flight; retry later")]
+    Overloaded { limit: usize },
     #[error("no eligible upstream for model '{0}'; retry later")]
     NoEligibleTarget(String),
     #[error("upstream {target} unreachable: {reason}")]
@@ -38,7 +40,7 @@ impl GatewayError {
             GatewayError::MethodNotAllowed(_) => 405,
             GatewayError::ClientBodyTimeout(_) => 408,
             GatewayError::PayloadTooLarge { .. } => 413,
-            GatewayError::NoEligibleTarget(_) => 503,
+            GatewayError::NoEligibleTarget(_) | GatewayError::Overloaded { .. } => 503,
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
             GatewayError::UpstreamTimeout { .. } => 504,
             // 499 (nginx's "client closed request") is only ever logged, never sent.
@@ -55,6 +57,7 @@ impl GatewayError {
             GatewayError::ClientBodyTimeout(_) => "client_body_timeout",
             GatewayError::PayloadTooLarge { .. } => "body_too_large",
             GatewayError::NoEligibleTarget(_) => "no_eligible_target",
+            GatewayError::Overloaded { .. } => "overloaded",
             GatewayError::UpstreamConnect { .. } => "upstream_connect",
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
@@ -104,5 +107,7 @@ mod tests {
         };
         assert_eq!(t.status(), 504);
         assert_eq!(GatewayError::NoEligibleTarget("m".into()).status(), 503);
+        let o = GatewayError::Overloaded { limit: 4 };
+        assert_eq!((o.status(), o.kind()), (503, "overloaded"));
     }
 }

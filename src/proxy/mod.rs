@@ -20,6 +20,7 @@
 //! them. `tests/proxy.rs` proves a 1 MiB prompt arrives byte-for-byte (after the model
 //! rewrite) over a reused pooled connection.
 
+pub mod admission;
 pub mod body;
 pub mod error;
 pub mod upstream;
@@ -30,6 +31,7 @@ use crate::metrics::METRICS;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
 use crate::routing::{Candidate, FleetView, KvView, RouteInput};
 use crate::runtime::{Route, RouteTable, Runtime};
+use admission::Admission;
 use async_trait::async_trait;
 use bytes::Bytes;
 use error::GatewayError;
@@ -71,6 +73,7 @@ pub struct RequestCtx {
 pub struct Gateway {
     runtime: Arc<Runtime>,
     connector: Connector,
+    admission: Admission,
 }
 
 impl Gateway {
@@ -79,6 +82,7 @@ impl Gateway {
         Gateway {
             runtime,
             connector: Connector::new(Some(ConnectorOptions::from_server_conf(conf))),
+            admission: Admission::new(),
         }
     }
 
@@ -87,6 +91,8 @@ impl Gateway {
         session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> Result<(), GatewayError> {
+        let table = self.runtime.table();
+        admission::apply_client_limits(session, &table.limits);
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
         let endpoint = match path.as_str() {
@@ -103,8 +109,15 @@ impl Gateway {
         if method != http::Method::POST {
             return Err(GatewayError::MethodNotAllowed(method.to_string()));
         }
-        let table = self.runtime.table();
         let limits = &table.limits;
+        // Held until the response ends, however it ends; taken before the body is read
+        // so the cap also bounds the memory of bodies being buffered.
+        let _admitted =
+            self.admission
+                .try_admit(limits.max_inflight)
+                .ok_or(GatewayError::Overloaded {
+                    limit: limits.max_inflight,
+                })?;
         let body = body::read_body(
             session,
             limits.max_body_bytes,
@@ -307,6 +320,7 @@ impl Gateway {
                 }
             }
             "/metrics" => {
+                METRICS.admitted.set(self.admission.inflight() as i64);
                 for (alias, sessions) in self.runtime.registry().session_tables() {
                     METRICS
                         .sessions

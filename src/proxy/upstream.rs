@@ -16,8 +16,12 @@ use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType};
 use std::time::{Duration, Instant};
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus those the gateway sets itself.
+/// Hop-by-hop headers (RFC 9110 §7.6.1), those the gateway sets itself, and its own
+/// routing hints. The token-id header is the gateway's alone and can be hundreds of KB:
+/// vLLM behind uvicorn/h11 refuses a header section over 16 KiB, and a forwarded one
+/// would turn a long prompt's routing hint into a failed request.
 const NOT_FORWARDED_REQUEST: &[&str] = &[
+    crate::prompt::TOKEN_IDS_HEADER,
     "connection",
     "keep-alive",
     "proxy-connection",
