@@ -2,7 +2,6 @@
 //! stubs. Everything is bounded in time and torn down on drop.
 #![allow(dead_code)]
 
-use std::io::Write;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -114,15 +113,30 @@ impl Gateway {
 
     /// [`Gateway::start`] with extra command-line arguments.
     pub async fn start_with_args(routes: &str, extra: &[&str]) -> Gateway {
+        Self::spawn(routes, extra, false).await
+    }
+
+    /// Like [`start`](Self::start), with the gateway's log (`RUST_LOG=info`, or
+    /// `$ROLTER_TEST_LOG`) written to `dir/rolter.log` for [`log`](Self::log).
+    pub async fn start_logged(routes: &str) -> Gateway {
+        Self::spawn(routes, &[], true).await
+    }
+
+    /// Spawn the binary on a fresh port (retrying if another process took the port
+    /// first) and wait until it is healthy.
+    async fn spawn(routes: &str, extra: &[&str], logged: bool) -> Gateway {
         for _ in 0..3 {
             let dir = TempDir::new("gw");
             let routes_path = dir.0.join("routes.toml");
-            std::fs::File::create(&routes_path)
-                .unwrap()
-                .write_all(routes.as_bytes())
-                .unwrap();
+            std::fs::write(&routes_path, routes).unwrap();
             let port = free_port();
             let conf = pingora_yaml(&dir.0);
+            let (level, stderr) = if logged {
+                let log = std::fs::File::create(dir.0.join(LOG_FILE)).unwrap();
+                ("info", Stdio::from(log))
+            } else {
+                ("warn", Stdio::inherit())
+            };
             let child = Command::new(rolter_bin())
                 .arg("-c")
                 .arg(&conf)
@@ -133,10 +147,10 @@ impl Gateway {
                 .args(extra)
                 .env(
                     "RUST_LOG",
-                    std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+                    std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| level.into()),
                 )
                 .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+                .stderr(stderr)
                 .spawn()
                 .expect("spawn rolter");
             let mut gw = Gateway {
@@ -150,40 +164,6 @@ impl Gateway {
             }
         }
         panic!("gateway did not start in 3 attempts");
-    }
-
-    /// Like [`start`](Self::start), with the gateway's log (`RUST_LOG=info`, or
-    /// `$ROLTER_TEST_LOG`) written to `dir/rolter.log` for [`log`](Self::log).
-    pub async fn start_logged(routes: &str) -> Gateway {
-        let dir = TempDir::new("gw");
-        let routes_path = dir.0.join("routes.toml");
-        std::fs::write(&routes_path, routes).unwrap();
-        let port = free_port();
-        let conf = pingora_yaml(&dir.0);
-        let log = std::fs::File::create(dir.0.join(LOG_FILE)).unwrap();
-        let child = Command::new(rolter_bin())
-            .arg("-c")
-            .arg(&conf)
-            .arg("--routes")
-            .arg(&routes_path)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .env(
-                "RUST_LOG",
-                std::env::var("ROLTER_TEST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn rolter");
-        let mut gw = Gateway {
-            child,
-            port,
-            routes: routes_path,
-            dir,
-        };
-        assert!(gw.wait_healthy().await, "gateway exited during start-up");
-        gw
     }
 
     /// The log written so far by a gateway started with [`start_logged`](Self::start_logged).
