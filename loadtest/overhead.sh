@@ -84,6 +84,8 @@ threads: 1
 pid_file: $WORK/rolter.pid
 upgrade_sock: $WORK/upgrade.sock
 upstream_keepalive_pool_size: 256
+grace_period_seconds: 1
+graceful_shutdown_timeout_seconds: 1
 YAML
 routes() { # strategy, targets
   local s="" i

@@ -41,7 +41,7 @@ model = "m"
 provider = "p1"
 model = "m"
 TOML
-printf -- "---\nversion: 1\nthreads: 1\npid_file: %s/p.pid\nupgrade_sock: %s/u.sock\n" "$W" "$W" > "$W/p.yaml"
+printf -- "---\nversion: 1\nthreads: 1\npid_file: %s/p.pid\nupgrade_sock: %s/u.sock\ngrace_period_seconds: 1\ngraceful_shutdown_timeout_seconds: 1\n" "$W" "$W" > "$W/p.yaml"
 cat > "$W/drive.py" <<'PY'
 import http.client, json, sys
 port, n = int(sys.argv[1]), int(sys.argv[2])
