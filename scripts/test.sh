@@ -11,6 +11,6 @@ cargo test --workspace
 
 if [ -d tests/python ]; then
   cargo build -q -p rolter-loadtest --bins
-  export ROLTER_SIM_BIN="$PWD/target/debug/rolter-sim"
+  export ROLTER_SIM_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/rolter-sim"
   python3 -m unittest discover -s tests/python -v
 fi
