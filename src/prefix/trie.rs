@@ -312,7 +312,7 @@ pub struct PrefixTrie {
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
-    writer: Padded<Mutex<Writer>>,
+    writer: Padded<std::sync::Mutex<Writer>>,
     alloc: Padded<Mutex<Allocator>>,
     stats: Padded<Stats>,
 }
@@ -391,6 +391,13 @@ fn lock(m: &Meta) {
     debug_assert!(v & 1 == 0, "slot locked twice");
     m.ver.store(v.wrapping_add(1), Relaxed);
     fence(Release);
+}
+
+/// Give an unchanged slot a new version (+2, stays even): invalidates every earlier read.
+#[inline]
+fn bump(m: &Meta) {
+    let v = m.ver.load(Relaxed);
+    m.ver.store(v.wrapping_add(2), Release);
 }
 
 #[inline]
@@ -595,7 +602,7 @@ impl PrefixTrie {
         let dir = Box::into_raw(Dir::with_len(1));
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
-            writer: Padded(Mutex::new(Writer {
+            writer: Padded(std::sync::Mutex::new(Writer {
                 lru_head: NIL,
                 lru_tail: NIL,
                 nodes: 0,
@@ -633,7 +640,7 @@ impl PrefixTrie {
                 return w.pos;
             }
         }
-        let _g = self.writer.lock();
+        let _g = self.lock_writer();
         self.walk(prompt).map_or(0, |w| w.pos)
     }
 
@@ -673,10 +680,19 @@ impl PrefixTrie {
         });
     }
 
+    /// The writer lock. `std::sync::Mutex`, not parking_lot: on contention it spins briefly
+    /// and then sleeps on a futex, while parking_lot calls `sched_yield` up to seven times
+    /// first, and those syscalls cost more CPU than the critical section they wait for.
+    /// Poisoning is ignored: a panic mid-update cannot leave a reader-visible inconsistency
+    /// (readers validate versions), only leaked slots.
+    fn lock_writer(&self) -> std::sync::MutexGuard<'_, Writer> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Run `f` under the writer lock, publish the counters, then free what it unlinked.
     fn with_writer(&self, f: impl FnOnce(&mut Ctx<'_>)) {
         let deferred = {
-            let mut g = self.writer.lock();
+            let mut g = self.lock_writer();
             let mut cx = Ctx {
                 t: self,
                 w: &mut g,
@@ -689,8 +705,8 @@ impl PrefixTrie {
         self.release(deferred);
     }
 
-    /// Free what a critical section unlinked: bump the versions of evicted runs (readers still
-    /// inside them restart) and hand every slot to the allocator in one go.
+    /// Free what a critical section unlinked (already re-versioned under the lock): reset the
+    /// slots and hand them all to the allocator in one go.
     fn release(&self, mut d: Deferred) {
         for i in 0..d.nruns {
             let (leaf, top) = d.runs[i];
@@ -1549,6 +1565,20 @@ impl<'a> Ctx<'a> {
         lock(self.meta(a));
         self.kid_remove(a, top);
         unlock(self.meta(a));
+        // Then give every node of the run a new version, inside the critical section, after
+        // the unlink and top-down (parent before child, as lock coupling requires): a walk
+        // validates a parent after reading its child's version, so whoever reads a new version
+        // here then sees the parent (ultimately `a`) changed and restarts. No unlinked node may
+        // keep its old version past the lock either: inserts validate "the node my walk
+        // stopped at is unchanged" by its version.
+        let mut cur = top;
+        loop {
+            bump(self.meta(cur));
+            if cur == t {
+                break;
+            }
+            cur = self.meta(cur).kid[0].load(Relaxed);
+        }
         self.w.nodes -= nodes;
         self.w.bytes -= bytes;
         // The run is unreachable now; free it after the lock is released if there is room.
@@ -1627,7 +1657,7 @@ impl PrefixTrie {
     /// least recently inserted first.
     fn check(&self) -> Vec<Vec<u8>> {
         use std::collections::{HashMap, HashSet};
-        let mut g = self.writer.lock();
+        let mut g = self.lock_writer();
         let cx = Ctx {
             t: self,
             w: &mut g,
@@ -2225,7 +2255,7 @@ mod tests {
                             let n = t.match_len(&p);
                             if n != p.len() {
                                 let locked = {
-                                    let _g = t.writer.lock();
+                                    let _g = t.lock_writer();
                                     t.walk(&p).map(|w| w.pos)
                                 };
                                 panic!("round {round}: saw {n} of {}, locked {locked:?}", p.len());
@@ -2238,6 +2268,45 @@ mod tests {
                 h.join().unwrap();
             }
             t.check();
+        }
+    }
+
+    #[test]
+    fn inserts_never_attach_to_a_run_another_thread_just_evicted() {
+        // Regression: an insert validated its walk by the version of the node it stopped at,
+        // but an eviction running concurrently had unlinked that node without bumping its
+        // version yet (freeing was deferred past the lock), so the insert attached its new
+        // chain to an unreachable node. Two writers re-inserting a small shared pool under a
+        // tiny cap make "the node I stopped at was just evicted" the common case.
+        let pool: Arc<Vec<Vec<u8>>> = Arc::new(
+            (0..24u64)
+                .map(|i| prompt(i % 6, b"sys:", 16 + 8 * (i as usize / 6)))
+                .collect(),
+        );
+        for round in 0..6u64 {
+            let t = Arc::new(PrefixTrie::with_label_bytes(24, 4));
+            let handles: Vec<_> = (0..2u64)
+                .map(|th| {
+                    let (t, pool) = (t.clone(), pool.clone());
+                    std::thread::spawn(move || {
+                        let mut x = (round * 2 + th + 1) * 0x9e37_79b9;
+                        for _ in 0..4000 {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            let p = &pool[(x % pool.len() as u64) as usize];
+                            t.insert(p);
+                            assert!(t.match_len(p) <= p.len());
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            for p in t.check() {
+                assert_eq!(t.match_len(&p), p.len());
+            }
         }
     }
 
@@ -2280,12 +2349,15 @@ mod tests {
         t.insert(&anchor);
         let alone = t.node_count();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let started = Arc::new(AtomicUsize::new(0));
         let readers: Vec<_> = (0..2)
             .map(|_| {
                 let (t, a, stop) = (t.clone(), anchor.clone(), stop.clone());
+                let started = started.clone();
                 std::thread::spawn(move || {
                     let mut bent = a.clone();
                     *bent.last_mut().unwrap() ^= 0x80;
+                    started.fetch_add(1, Relaxed);
                     let mut n = 0u64;
                     while !stop.load(Relaxed) {
                         assert_eq!(t.match_len(&a), a.len());
@@ -2296,6 +2368,9 @@ mod tests {
                 })
             })
             .collect();
+        while started.load(Relaxed) < 2 {
+            std::thread::yield_now();
+        }
         for round in 0..300usize {
             for j in 0..12usize {
                 let at = (round * 31 + j * 17) % anchor.len();
