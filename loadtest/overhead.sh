@@ -25,7 +25,7 @@ REPEATS=${REPEATS:-3}
 CONNS=${CONNS:-64}
 RSS_REQUESTS=${RSS_REQUESTS:-1000000}
 ROLTER_LOG=${ROLTER_LOG:-warn}
-OUT=loadtest/reports/overhead.md
+OUT=${OUT:-loadtest/reports/overhead.md}
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
