@@ -7,12 +7,17 @@
 //!   trie kept at its cap (so every insert also pays for the evictions it causes).
 //! - `match_at_cap/8KiB/hit`: a stored 8 KiB prompt in a trie filled to the 1M-node default cap
 //!   (cache-cold, realistic); its setup prints the fill memory report.
-//! - `concurrent/*`: match + insert of growing multi-turn chats sharing a 2 KiB system prompt,
-//!   1 thread vs 2 threads on the same trie vs 2 threads on separate tries; time is per op, so
-//!   throughput speedup = time(1-thread) / time(2-threads). A side-by-side interleaved A/B
-//!   measurement prints the same ratio directly.
+//! - `concurrent/*`: match + insert of growing multi-turn chats sharing a 2 KiB system prompt
+//!   (each worker its own conversations, 8 turns of 600 bytes), 1 thread vs 2 threads on the
+//!   same trie vs 2 threads on separate tries, all at the 1M-node cap; time is per op, so
+//!   throughput speedup = time(1-thread) / time(2-threads). Afterwards 9 interleaved A/B rounds
+//!   print the ratios directly, plus each round's per-op split from Linux schedstat (on CPU /
+//!   runnable but preempted / blocked) and the speedup projected for two dedicated cores,
+//!   because on a machine shared with other work the wall-clock ratio mostly measures the
+//!   neighbours.
 //!
-//! Run: `cargo bench --bench trie` (about two minutes on two cores).
+//! Run: `cargo bench --bench trie` (about two and a half minutes on two cores); a filter such as
+//! `cargo bench --bench trie -- match/8KiB` skips the costly setups of the other groups.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rolter::prefix::PrefixTrie;

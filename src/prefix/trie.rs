@@ -51,6 +51,14 @@
 //!   other threads' work. Under the lock it only checks that the node it stopped at is
 //!   unchanged (else re-walks), links the suffix, updates the LRU, evicts and publishes the
 //!   counters. The getters read those atomics and never lock.
+//! - Rules every writer step follows (the concurrent tests caught each one being broken): change
+//!   nodes top-down, parent before child, each inside its seqlock (a walk validates a parent
+//!   after reading its child's version); any node unlinked gets a new version inside the same
+//!   critical section (inserts trust "my node's version is unchanged" to mean "still linked,
+//!   same path"); a slot is reused only after that. Eviction frees (slot resets, allocator
+//!   hand-back) happen after the lock is released, the nodes being unreachable by then.
+//! - The writer lock is `std::sync::Mutex` (spin, then futex): parking_lot's slow path calls
+//!   `sched_yield` up to seven times first, which costs more than the critical section.
 //! - Read-mostly fields, the writer lock, the allocator lock and the counters sit on separate
 //!   cache lines; a walk over back-to-back full nodes runs in a small loop that steps to the
 //!   next slot by address, so it never waits on a pointer load (~2 ns per 64-byte hop).
