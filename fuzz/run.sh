@@ -7,8 +7,8 @@
 # Installs cargo-fuzz if missing. cargo-fuzz needs nightly rustc flags (-Zsanitizer=...):
 # with a nightly toolchain installed (`rustup toolchain install nightly`) it uses
 # `cargo +nightly fuzz`; without one it falls back to the stable toolchain with
-# RUSTC_BOOTSTRAP=1 (which unlocks the same -Z flags on a stable compiler). Both were tried
-# on this project: see fuzz/README.md.
+# RUSTC_BOOTSTRAP=1 (which unlocks the same -Z flags on a stable compiler). Both work here
+# (nightly 1.97; stable 1.95 with RUSTC_BOOTSTRAP=1): see fuzz/README.md.
 #
 # Seeds come from the repository (KV-event fixtures, example routing files, request
 # bodies written below); the corpus grows in fuzz/corpus/<target> (git-ignored). A crash
