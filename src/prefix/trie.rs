@@ -17,7 +17,7 @@
 //! count, byte count, LRU order and every `match_len` against a naive model).
 //!
 //! "Node" in `max_nodes` / `node_count` means such a slot, so the cap bounds memory whatever the
-//! prompts look like: at most 96 B x (cap + the one chain being inserted) + a directory of
+//! prompts look like: at most 96 B x (cap + the chains being inserted) + a directory of
 //! 8 B per 1024 slots. At the 1M default that is 91.6 MiB (filled with chat prompts: 96.1 B
 //! per node, 1.64 B per stored prompt byte).
 //!
@@ -67,7 +67,23 @@
 //! on two threads (the holder could not keep up with the other thread's cache-cold work);
 //! spinning longer before sleeping on the writer lock only burned CPU on this shared machine.
 //!
-//! MEASUREMENTS_PLACEHOLDER
+//! # Measured
+//! `cargo bench --bench trie` on the shared 2-vCPU AMD EPYC (Zen 5) VM, load average 1-5 from
+//! other builds during every run, so figures are medians of noisy runs:
+//! - `match_len`, 8 KiB prompt, 64 stored prompts: full hit (worst case) 0.31-0.34 us, 90%
+//!   shared 0.27-0.42 us, 50% 0.17-0.18 us, 0% 25 ns; 1 KiB hit 69 ns, 64 KiB hit 2.1 us
+//!   (~2 ns per 64-byte node). In a trie at the 1M-node cap (chat prompts built over 14 turns,
+//!   so a fragmented path): 0.62-0.71 us. A 16-target routing decision is 16 of these.
+//! - `insert` at steady state (trie at its cap, so including evictions): 8 KiB prompt with 0 /
+//!   50 / 90% already stored 6.1 / 2.9 / 1.7 us; 1 KiB ~1 us; 64 KiB 37 / 22 / 6 us.
+//! - Memory at the 1M-node cap: 91.6 MiB (96.1 B per node, 1.64 B per stored prompt byte).
+//! - Two threads: matches scale perfectly (two match-only threads each cost what one does) and
+//!   a writer does not slow a concurrent matcher. Two threads each doing match + insert on the
+//!   same trie (the 1:1 worst case; a route does ~16 matches per insert) reached 1.5-1.8x one
+//!   thread in quiet moments but 0.9-1.5x (projected for dedicated cores) under load, against
+//!   ~1.9x for separate tries: every insert moves the writer's cache lines (lock, LRU tail,
+//!   allocator, victims) between cores, ~1-2 us of CPU per op. Fine-grained writer locking
+//!   (per-node CAS locks, striped LRU) would remove that; it is not done.
 
 use parking_lot::Mutex;
 use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
