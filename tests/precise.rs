@@ -249,3 +249,64 @@ async fn missing_or_malformed_token_ids_fall_back_to_least_load() {
     );
     fleet.shutdown().await;
 }
+
+/// In-process: a subscriber feeding a residency index from a simulated replica's real
+/// KV-event stream ends up holding exactly the replica's cached block set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_equals_the_replicas_cache_block_for_block() {
+    use rolter::kv_events::sequence::StreamState;
+    use rolter::kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
+    use rolter::prefix::ResidencyIndex;
+    use std::sync::Arc;
+
+    let fleet = spawn_fleet(FleetConfig {
+        replicas: 1,
+        ..FleetConfig::default()
+    })
+    .await
+    .unwrap();
+    let r = fleet.replica(0).clone();
+    let mut cfg = SubscriberConfig::new(r.kv_events_endpoint().unwrap(), "");
+    cfg.replay_endpoint = r.kv_replay_endpoint();
+    let index = Arc::new(ResidencyIndex::new(1 << 20));
+    let state = Arc::new(StreamState::new());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(
+        KvEventSubscriber::new(cfg, index.clone(), state.clone()).run(async move {
+            let _ = stopped.await;
+        }),
+    );
+    assert!(eventually(Duration::from_secs(10), || async { state.is_connected() }).await);
+    tokio::time::sleep(Duration::from_millis(300)).await; // ZMQ slow-joiner window
+                                                          // A workload with shared prefixes and growing conversations, straight to the replica.
+    for topic in 0..4 {
+        for turns in 0..3 {
+            warm(&fleet, 0, &conversation(topic, turns)).await;
+        }
+    }
+    let want: Vec<u64> = {
+        let mut v: Vec<u64> = r.cached_block_hashes().into_iter().collect();
+        v.sort_unstable();
+        v
+    };
+    assert!(want.len() > 50, "workload too small: {} blocks", want.len());
+    let matched = eventually(Duration::from_secs(10), || async {
+        index
+            .gpu_block_hashes()
+            .iter()
+            .map(|h| h.0)
+            .collect::<Vec<u64>>()
+            == want
+    })
+    .await;
+    let got: Vec<u64> = index.gpu_block_hashes().iter().map(|h| h.0).collect();
+    assert!(
+        matched,
+        "index ({} blocks) != replica cache ({} blocks)",
+        got.len(),
+        want.len()
+    );
+    let _ = stop.send(());
+    let _ = task.await;
+    fleet.shutdown().await;
+}
