@@ -18,12 +18,13 @@
 //!    herding every request onto the emptiest cache between two polls. Ties: fewer in
 //!    flight, then random.
 //! 4. Best score 0 (no free capacity anywhere) → least-loaded ([`Reason::Fallback`]).
-//! 5. **Overload guard**: if the winner has more than [`OVERLOAD_MARGIN`] requests in
+//! 5. **Overload guard**: if the winner has more than [`OVERLOAD_ABS`](super::cache_aware::OVERLOAD_ABS) requests in
 //!    flight beyond the least-loaded eligible target *and* more than
-//!    [`OVERLOAD_FACTOR`] × that target's load, route to the least-loaded target
+//!    [`OVERLOAD_RATIO`](super::cache_aware::OVERLOAD_RATIO) × that target's load, route to the least-loaded target
 //!    instead ([`Reason::Overloaded`]).
 //! 6. Otherwise the winner ([`Reason::CacheCapacity`]).
 
+use super::cache_aware::overloaded;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 
 /// A controller's fresh answer, as routing sees it.
@@ -44,19 +45,6 @@ impl LmcacheView {
             0.0
         }
     }
-}
-
-/// The overload guard's absolute margin (SPEC §4: "more than 2 requests in flight
-/// beyond the least-loaded eligible target").
-pub const OVERLOAD_MARGIN: u64 = 2;
-/// The overload guard's relative factor (SPEC §4: "more than 1.5 × that target's load").
-pub const OVERLOAD_FACTOR: f64 = 1.5;
-
-/// Whether a target with `inflight` requests is overloaded next to the least-loaded
-/// eligible target's `min_inflight` (both conditions of SPEC §4 must hold).
-pub fn overloaded(inflight: u64, min_inflight: u64) -> bool {
-    inflight > min_inflight + OVERLOAD_MARGIN
-        && inflight as f64 > OVERLOAD_FACTOR * min_inflight as f64
 }
 
 /// See the module docs.
