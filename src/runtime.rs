@@ -376,25 +376,12 @@ fn resolve_provider(
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']');
-    let err = |reason: String| LoadError::Resolve {
-        path: origin.to_string(),
+    let at = Origin {
+        path: origin,
         index,
-        authority: authority.to_string(),
-        reason,
+        provider,
     };
-    let addrs = match egress::resolve_checked(ctx.resolver.as_ref(), policy, host, port) {
-        Ok(addrs) => addrs,
-        Err(OutboundError::Resolve { reason, .. }) => return Err(err(reason)),
-        Err(OutboundError::Egress(error)) => {
-            return Err(LoadError::Egress {
-                path: origin.to_string(),
-                index,
-                provider: provider.to_string(),
-                key: "api_base",
-                error,
-            })
-        }
-    };
+    let addrs = resolve_outbound(&at, "api_base", host, port, authority.as_str(), ctx, policy)?;
     let addr = SocketAddr::new(addrs[0], port);
     Ok(ResolvedProvider {
         addr,
@@ -421,21 +408,29 @@ fn check_lmcache(
     policy: &EgressPolicy,
 ) -> Result<(), LoadError> {
     let (host, port) = egress::url_host_port(&l.endpoint, 80).expect("validated lmcache.endpoint");
-    match egress::resolve_checked(ctx.resolver.as_ref(), policy, &host, port) {
+    let at = Origin {
+        path: origin,
+        index,
+        provider,
+    };
+    let authority = format!("{host}:{port}");
+    match resolve_outbound(
+        &at,
+        "lmcache.endpoint",
+        &host,
+        port,
+        &authority,
+        ctx,
+        policy,
+    ) {
         Ok(_) => Ok(()),
-        Err(OutboundError::Egress(error)) => Err(LoadError::Egress {
-            path: origin.to_string(),
-            index,
-            provider: provider.to_string(),
-            key: "lmcache.endpoint",
-            error,
-        }),
-        Err(e) => {
+        Err(LoadError::Resolve { reason, .. }) => {
             log::warn!(
-                "{origin}: providers[{index}].lmcache.endpoint: {e}; the controller stays neutral until it resolves"
+                "{origin}: providers[{index}].lmcache.endpoint: cannot resolve \"{authority}\": {reason}; the controller stays neutral until it resolves"
             );
             Ok(())
         }
+        Err(e) => Err(e),
     }
 }
 
@@ -454,22 +449,56 @@ fn resolve_zmq(
         return Ok(url.to_string());
     }
     let (host, port) = egress::url_host_port(url, 0).expect("validated zmq endpoint");
-    match egress::resolve_checked(ctx.resolver.as_ref(), policy, &host, port) {
-        Ok(addrs) => Ok(format!("tcp://{}", SocketAddr::new(addrs[0], port))),
-        Err(OutboundError::Egress(error)) => Err(LoadError::Egress {
-            path: origin.to_string(),
-            index,
-            provider: provider.to_string(),
+    let at = Origin {
+        path: origin,
+        index,
+        provider,
+    };
+    let addrs = resolve_outbound(
+        &at,
+        key,
+        &host,
+        port,
+        &format!("{host}:{port}"),
+        ctx,
+        policy,
+    )?;
+    Ok(format!("tcp://{}", SocketAddr::new(addrs[0], port)))
+}
+
+/// Where an outbound endpoint is configured, for error messages.
+struct Origin<'a> {
+    path: &'a str,
+    index: usize,
+    provider: &'a str,
+}
+
+/// Resolve `host` and check the name and every address against the egress policy,
+/// mapping failures to the load error that names the file, provider and key.
+fn resolve_outbound(
+    at: &Origin,
+    key: &'static str,
+    host: &str,
+    port: u16,
+    authority: &str,
+    ctx: &LoadContext,
+    policy: &EgressPolicy,
+) -> Result<Vec<std::net::IpAddr>, LoadError> {
+    egress::resolve_checked(ctx.resolver.as_ref(), policy, host, port).map_err(|e| match e {
+        OutboundError::Egress(error) => LoadError::Egress {
+            path: at.path.to_string(),
+            index: at.index,
+            provider: at.provider.to_string(),
             key,
             error,
-        }),
-        Err(OutboundError::Resolve { reason, .. }) => Err(LoadError::Resolve {
-            path: origin.to_string(),
-            index,
-            authority: format!("{host}:{port}"),
+        },
+        OutboundError::Resolve { reason, .. } => LoadError::Resolve {
+            path: at.path.to_string(),
+            index: at.index,
+            authority: authority.to_string(),
             reason,
-        }),
-    }
+        },
+    })
 }
 
 fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
