@@ -16,7 +16,7 @@ command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq
 cargo build --release -q --bin rolter -p rolter
 cargo build --release -q --bin rolter-stub -p rolter-loadtest
 W=$(mktemp -d /tmp/rolter-profile.XXXXXX)
-trap 'pkill -f "listen 127.0.0.1:18962" 2>/dev/null; pkill -f "rolter-stub --listen 127.0.0.1:18961" 2>/dev/null; rm -rf "$W"' EXIT
+trap 'pkill -f "listen 127.0.0.1:18962" 2>/dev/null || true; pkill -f "rolter-stub --listen 127.0.0.1:18961" 2>/dev/null || true; rm -rf "$W"' EXIT
 target/release/rolter-stub --listen 127.0.0.1:18961 >/dev/null &
 cat > "$W/routes.toml" <<TOML
 [[providers]]
@@ -58,7 +58,7 @@ PY
 # cost of REQUESTS requests without start-up; functions are listed from the longer run.
 WARMUP=200
 profile_run() { # requests -> writes $W/cg-$1.out
-  RUST_LOG=info valgrind --tool=callgrind --callgrind-out-file="$W/cg-$1.out" \
+  RUST_LOG=${ROLTER_LOG:-warn} valgrind --tool=callgrind --callgrind-out-file="$W/cg-$1.out" \
     target/release/rolter -c "$W/p.yaml" --routes "$W/routes.toml" --listen 127.0.0.1:18962 \
     2>"$W/gateway.log" >/dev/null &
   for _ in $(seq 120); do curl -sf 127.0.0.1:18962/health >/dev/null && break; sleep 0.5; done
@@ -72,5 +72,6 @@ profile_run $WARMUP
 profile_run $((WARMUP + REQUESTS))
 total=$(( $(totals "$W/cg-$((WARMUP + REQUESTS)).out") - $(totals "$W/cg-$WARMUP.out") ))
 dump="$W/cg-$((WARMUP + REQUESTS)).out"
+[ -n "${KEEP:-}" ] && cp "$dump" "$KEEP"
 echo "strategy=$STRATEGY requests=$REQUESTS Ir/request=$((total / REQUESTS))"
 callgrind_annotate "$dump" 2>/dev/null | grep -E "^ *[0-9,]+ \(" | sed -n 2,25p | cut -c1-150 | sed "s|/rustc/[0-9a-f]*/||; s|/root/.cargo/registry/src/[^/]*/||"

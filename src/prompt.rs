@@ -84,11 +84,45 @@ struct Message<'a> {
     tool_calls: Option<Vec<ToolCall<'a>>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum Content<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Parts(#[serde(borrow)] Vec<Part<'a>>),
+    Text(Cow<'a, str>),
+    Parts(Vec<Part<'a>>),
+}
+
+/// By hand rather than `#[serde(untagged)]`: an untagged enum first buffers the value into
+/// serde's private `Content` tree (copying every string) and then tries each variant; this
+/// looks at the JSON type once and borrows the text (the largest single item under
+/// callgrind, loadtest/profile.sh).
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = Content<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("'content' as a string or an array of content parts")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(2).min(64));
+                while let Some(part) = seq.next_element()? {
+                    parts.push(part);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(Visit(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
@@ -126,13 +160,127 @@ struct CompletionBody<'a> {
     stream: Option<bool>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum PromptField<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
+    Text(Cow<'a, str>),
     Tokens(Vec<u32>),
-    TextBatch(#[serde(borrow)] Vec<Cow<'a, str>>),
+    TextBatch(Vec<Cow<'a, str>>),
     TokenBatch(Vec<Vec<u32>>),
+}
+
+/// One JSON string, borrowed from the body when it has no escape sequence.
+struct Text<'a>(Cow<'a, str>);
+
+/// A member of a completion `prompt` array; the first one decides the array's kind.
+enum Member<'a> {
+    Id(u32),
+    Text(Cow<'a, str>),
+    Ids(Vec<u32>),
+}
+
+/// Visitor behind `Text` and `Member` (and `Content`'s string case).
+struct StrOr<'a, T>(std::marker::PhantomData<(&'a (), T)>);
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for StrOr<'a, Text<'a>> {
+    type Value = Text<'a>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Text(Cow::Owned(v)))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(StrOr::<Text>(std::marker::PhantomData))
+    }
+}
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for StrOr<'a, Member<'a>> {
+    type Value = Member<'a>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a token id, a string or an array of token ids")
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        u32::try_from(v)
+            .map(Member::Id)
+            .map_err(|_| E::custom(format!("token id {v} out of range")))
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Member::Text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Member::Text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Member::Text(Cow::Owned(v)))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+        while let Some(id) = seq.next_element()? {
+            ids.push(id);
+        }
+        Ok(Member::Ids(ids))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Member<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrOr::<Member>(std::marker::PhantomData))
+    }
+}
+
+/// By hand rather than `#[serde(untagged)]` (see `Content`): a string, or an array whose
+/// first member fixes its kind (ids, strings or id arrays); `[]` is an empty id list.
+impl<'de: 'a, 'a> Deserialize<'de> for PromptField<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = PromptField<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("'prompt' as a string, an array of strings, or token ids")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(PromptField::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(PromptField::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(PromptField::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                fn rest<'de, A: serde::de::SeqAccess<'de>, T: Deserialize<'de>>(
+                    mut seq: A,
+                    first: T,
+                ) -> Result<Vec<T>, A::Error> {
+                    let mut all = vec![first];
+                    while let Some(x) = seq.next_element()? {
+                        all.push(x);
+                    }
+                    Ok(all)
+                }
+                Ok(match seq.next_element::<Member>()? {
+                    None => PromptField::Tokens(Vec::new()),
+                    Some(Member::Id(id)) => PromptField::Tokens(rest(seq, id)?),
+                    Some(Member::Text(t)) => PromptField::TextBatch(
+                        rest(seq, Text(t))?.into_iter().map(|t| t.0).collect(),
+                    ),
+                    Some(Member::Ids(ids)) => PromptField::TokenBatch(rest(seq, ids)?),
+                })
+            }
+        }
+        d.deserialize_any(Visit(std::marker::PhantomData))
+    }
 }
 
 /// Parse a request body once and extract what routing needs.
@@ -167,12 +315,46 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, P
 
 /// The body with its `model` value replaced by `upstream_model`; every other byte kept.
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, upstream_model: &str) -> Vec<u8> {
-    let quoted = serde_json::to_string(upstream_model).expect("a string always serialises");
-    let mut out = Vec::with_capacity(body.len() - span.len() + quoted.len());
-    out.extend_from_slice(&body[..span.start]);
-    out.extend_from_slice(quoted.as_bytes());
-    out.extend_from_slice(&body[span.end..]);
+    let mut out = Vec::with_capacity(body.len() + upstream_model.len() + 2);
+    rewrite_model_into(&mut out, body, span, upstream_model);
     out
+}
+
+/// Append `body` with its `model` value replaced by `upstream_model` to `out` (so a caller
+/// can put the body straight after the request head it already wrote there).
+pub fn rewrite_model_into(
+    out: &mut Vec<u8>,
+    body: &[u8],
+    span: std::ops::Range<usize>,
+    upstream_model: &str,
+) {
+    out.extend_from_slice(&body[..span.start]);
+    serde_json::to_writer(&mut *out, upstream_model).expect("a string always serialises");
+    out.extend_from_slice(&body[span.end..]);
+}
+
+/// Length of `rewrite_model`'s output, without building it.
+pub fn rewritten_len(
+    body_len: usize,
+    span: &std::ops::Range<usize>,
+    upstream_model: &str,
+) -> usize {
+    let mut quoted = Counter(0);
+    serde_json::to_writer(&mut quoted, upstream_model).expect("a string always serialises");
+    body_len - span.len() + quoted.0
+}
+
+/// A writer that only counts bytes.
+struct Counter(usize);
+
+impl std::io::Write for Counter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Parse `x-rolter-vllm-token-ids` (comma-separated u32). `None` if absent-equivalent
@@ -193,11 +375,11 @@ pub fn parse_token_ids(header: &[u8]) -> Option<Vec<u32>> {
 }
 
 fn encode_message(out: &mut Vec<u8>, m: &Message) {
-    escape_into(out, m.role.as_bytes());
+    push_text(out, &m.role);
     out.push(US);
     match &m.content {
         None => {}
-        Some(Content::Text(t)) => escape_into(out, t.as_bytes()),
+        Some(Content::Text(t)) => push_text(out, t),
         Some(Content::Parts(parts)) => {
             for (i, part) in parts.iter().enumerate() {
                 if i > 0 {
@@ -244,11 +426,11 @@ fn encode_completion(out: &mut Vec<u8>, p: &PromptField) {
         }
     };
     match p {
-        PromptField::Text(t) => escape_into(out, t.as_bytes()),
+        PromptField::Text(t) => push_text(out, t),
         PromptField::Tokens(ids) => tokens(out, ids),
         PromptField::TextBatch(texts) => {
             for t in texts {
-                escape_into(out, t.as_bytes());
+                push_text(out, t);
                 out.push(RS);
             }
         }
@@ -258,6 +440,20 @@ fn encode_completion(out: &mut Vec<u8>, p: &PromptField) {
                 out.push(RS);
             }
         }
+    }
+}
+
+/// Append a JSON string's text, escaped. A string borrowed from the body had no escape
+/// sequence in it, and JSON forbids raw control characters in strings (serde_json rejects
+/// them), so it cannot hold a separator byte: it is copied without scanning.
+#[allow(clippy::ptr_arg)] // the variant is the point: borrowed means "had no escapes"
+fn push_text(out: &mut Vec<u8>, text: &Cow<'_, str>) {
+    match text {
+        Cow::Borrowed(t) => {
+            debug_assert!(!t.bytes().any(|b| (ESC..=US).contains(&b)));
+            out.extend_from_slice(t.as_bytes());
+        }
+        Cow::Owned(t) => escape_into(out, t.as_bytes()),
     }
 }
 
@@ -391,6 +587,30 @@ mod tests {
             p(r#"{"model":"m","prompt":["a","b"]}"#),
             p(r#"{"model":"m","prompt":["ab"]}"#)
         );
+        // Each prompt shape encodes as documented, and escaped text is still escaped.
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b\u001e"]}"#),
+            b"Pa\x1eb\x1b\x1e\x1e"
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[1],[2,3]]}"#),
+            b"P\0\0\0\x01\x1e\0\0\0\x02\0\0\0\x03\x1e"
+        );
+        assert_eq!(p(r#"{"model":"m","prompt":[]}"#), b"P");
+        for bad in [
+            r#"{"model":"m","prompt":[1,"a"]}"#,
+            r#"{"model":"m","prompt":["a",1]}"#,
+            r#"{"model":"m","prompt":[[1],2]}"#,
+            r#"{"model":"m","prompt":[4294967296]}"#,
+            r#"{"model":"m","prompt":[-1]}"#,
+            r#"{"model":"m","prompt":5}"#,
+            r#"{"model":"m","prompt":{"a":1}}"#,
+        ] {
+            assert!(
+                parse_request(Endpoint::Completions, bad.as_bytes()).is_err(),
+                "{bad}"
+            );
+        }
         // A completion and a chat never share bytes beyond nothing.
         assert_ne!(
             p(r#"{"model":"m","prompt":"x"}"#)[0],
@@ -419,6 +639,10 @@ mod tests {
             r#"{"model":"m","messages":"hi"}"#,
             r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
             r#"{"model":"m","model":"n","messages":[]}"#,
+            // A raw (unescaped) separator byte: JSON forbids control characters in strings,
+            // which is what lets `push_text` copy borrowed strings without escaping them.
+            "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\x1eb\"}]}",
+            "{\"model\":\"m\",\"messages\":[{\"role\":\"us\x1fer\",\"content\":\"ab\"}]}",
         ] {
             assert!(
                 parse_request(Endpoint::Chat, body.as_bytes()).is_err(),

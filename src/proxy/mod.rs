@@ -211,17 +211,14 @@ impl Gateway {
                 .inc();
             let _slot = target.state.start_request();
             let started = Instant::now();
-            let upstream_body = Bytes::from(prompt::rewrite_model(
-                body,
-                parsed.model_span.clone(),
-                &target.upstream_model,
-            ));
-            let req = upstream::upstream_request(
+            let request = upstream::encode_request(
                 session.req_header(),
                 &target.host,
                 &target.base_path,
-                upstream_body.len(),
-            )?;
+                body,
+                parsed.model_span.clone(),
+                &target.upstream_model,
+            );
             let up = Upstream {
                 peer: &target.peer,
                 label: target.state.label(),
@@ -238,15 +235,8 @@ impl Gateway {
                     route.strategy.record(input, &view, decision.target);
                 }
             };
-            let exchange = upstream::exchange(
-                &self.connector,
-                &up,
-                session,
-                &req,
-                &upstream_body,
-                started,
-                record,
-            );
+            let exchange =
+                upstream::exchange(&self.connector, &up, session, &request, started, record);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {

@@ -7,14 +7,15 @@
 //! nothing can be retried or replaced.
 
 use super::error::GatewayError;
-use bytes::Bytes;
 use pingora::connectors::http::v1::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType};
+use std::io::Write as _;
 use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1), those the gateway sets itself, and its own
 /// routing hints. The token-id header is the gateway's alone and can be hundreds of KB:
@@ -64,33 +65,49 @@ pub struct Upstream<'a> {
     pub idle_timeout: Duration,
 }
 
-/// Build the upstream request header from the client's, for a body of `body_len` bytes.
-pub fn upstream_request(
+/// The upstream request, head and body, serialised into one buffer so it leaves in one
+/// write (one TCP segment on loopback instead of a head segment and a body segment): the
+/// client's method and path under `base_path`, its end-to-end headers, `host` and a
+/// `content-length` for `body` with its `model` value (at `model_span`) replaced by
+/// `upstream_model`.
+///
+/// Every piece comes from an already validated source: the method, URI and header
+/// names/values were parsed by pingora (an `http` type holds no CR, LF or NUL, and a
+/// path no space), and `host`/`base_path` were checked when the routing file loaded.
+pub fn encode_request(
     client: &RequestHeader,
     host: &str,
     base_path: &str,
-    body_len: usize,
-) -> Result<RequestHeader, GatewayError> {
+    body: &[u8],
+    model_span: std::ops::Range<usize>,
+    upstream_model: &str,
+) -> Vec<u8> {
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let path = format!("{base_path}{path_and_query}");
-    let bad =
-        |e: Box<Error>| GatewayError::BadRequest(format!("cannot build upstream request: {e}"));
-    let mut req = RequestHeader::build(
-        client.method.clone(),
-        path.as_bytes(),
-        Some(client.headers.len() + 2),
-    )
-    .map_err(bad)?;
+    let body_len = crate::prompt::rewritten_len(body.len(), &model_span, upstream_model);
+    let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
+    for (name, value) in client.headers.iter() {
+        head_len += name.as_str().len() + value.len() + 4;
+    }
+    let mut out = Vec::with_capacity(head_len + body_len);
+    let mut put = |parts: &[&[u8]]| parts.iter().for_each(|p| out.extend_from_slice(p));
+    put(&[
+        client.method.as_str().as_bytes(),
+        b" ",
+        base_path.as_bytes(),
+        path_and_query.as_bytes(),
+        b" HTTP/1.1\r\n",
+    ]);
     for (name, value) in client.headers.iter() {
         if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
-            req.append_header(name.clone(), value.clone())
-                .map_err(bad)?;
+            put(&[name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
         }
     }
-    req.insert_header(http::header::HOST, host).map_err(bad)?;
-    req.insert_header(http::header::CONTENT_LENGTH, body_len.to_string())
-        .map_err(bad)?;
-    Ok(req)
+    put(&[b"host: ", host.as_bytes(), b"\r\ncontent-length: "]);
+    write!(out, "{body_len}\r\n\r\n").expect("writing to a Vec cannot fail");
+    let head = out.len();
+    crate::prompt::rewrite_model_into(&mut out, body, model_span, upstream_model);
+    debug_assert_eq!(out.len() - head, body_len);
+    out
 }
 
 /// Send `req` + `body` to the upstream and relay its response to `session`.
@@ -99,8 +116,7 @@ pub async fn exchange(
     connector: &Connector,
     up: &Upstream<'_>,
     session: &mut Session,
-    req: &RequestHeader,
-    body: &Bytes,
+    request: &[u8],
     started: Instant,
     on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
@@ -115,8 +131,8 @@ pub async fn exchange(
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         s.read_timeout = up.peer.options.read_timeout;
         s.write_timeout = up.peer.options.write_timeout;
-        match send_request(&mut s, req, body).await {
-            Ok(()) => {
+        match send_request(s, up.peer, request).await {
+            Ok(s) => {
                 http = Some(s);
                 reused = r;
                 break;
@@ -184,15 +200,38 @@ pub async fn exchange(
     })
 }
 
+/// Write the encoded request on a pooled or fresh connection and hand back a client
+/// session ready to read the response (a fresh `HttpSession` over the same stream: the
+/// request bytes bypassed pingora's header writer, which flushes the head on its own).
 async fn send_request(
-    s: &mut HttpSession,
-    req: &RequestHeader,
-    body: &Bytes,
-) -> pingora::Result<()> {
-    s.write_request_header(Box::new(req.clone())).await?;
-    s.write_body(body).await?;
-    s.finish_body().await?;
-    Ok(())
+    s: HttpSession,
+    peer: &HttpPeer,
+    request: &[u8],
+) -> pingora::Result<HttpSession> {
+    let (read_timeout, write_timeout) = (s.read_timeout, s.write_timeout);
+    let mut stream = s.into_inner();
+    let write = async {
+        stream.write_all(request).await?;
+        stream.flush().await
+    };
+    let written = match write_timeout {
+        Some(t) => tokio::time::timeout(t, write)
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())),
+        None => write.await,
+    };
+    written.map_err(|e| {
+        let kind = if e.kind() == std::io::ErrorKind::TimedOut {
+            ErrorType::WriteTimedout
+        } else {
+            ErrorType::WriteError
+        };
+        Error::because(kind, "while writing the request", e)
+    })?;
+    let mut s = HttpSession::new_with_options(stream, peer);
+    s.read_timeout = read_timeout;
+    s.write_timeout = write_timeout;
+    Ok(s)
 }
 
 fn downstream_response(up: &ResponseHeader) -> pingora::Result<ResponseHeader> {
@@ -242,6 +281,58 @@ fn upstream_error(label: &str, e: &Error) -> GatewayError {
         GatewayError::UpstreamBroken {
             target: label.to_string(),
             reason: e.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoded_request_is_one_well_formed_message() {
+        let mut client = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
+        for (k, v) in [
+            ("host", "gateway.example"),
+            ("content-length", "999"),
+            ("connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            (crate::prompt::TOKEN_IDS_HEADER, "1,2,3"),
+            ("authorization", "Bearer k"),
+            ("x-session-id", "s1"),
+        ] {
+            client.append_header(k, v).unwrap();
+        }
+        let body = br#"{"model":"alias","messages":[]}"#;
+        let span = 9..16;
+        assert_eq!(&body[span.clone()], br#""alias""#);
+        let out = encode_request(&client, "10.0.0.7:8000", "/base", body, span, "org/m \"q\"");
+
+        let mut headers = [httparse::EMPTY_HEADER; 16];
+        let mut req = httparse::Request::new(&mut headers);
+        let httparse::Status::Complete(head) = req.parse(&out).unwrap() else {
+            panic!("incomplete head");
+        };
+        assert_eq!(req.method, Some("POST"));
+        assert_eq!(req.path, Some("/base/v1/chat/completions?x=1"));
+        let get = |n: &str| {
+            let v: Vec<_> = req.headers.iter().filter(|h| h.name == n).collect();
+            assert!(v.len() <= 1, "{n} sent twice");
+            v.first()
+                .map(|h| std::str::from_utf8(h.value).unwrap().to_string())
+        };
+        let sent = &out[head..];
+        assert_eq!(sent, br#"{"model":"org/m \"q\"","messages":[]}"#);
+        assert_eq!(get("content-length"), Some(sent.len().to_string()));
+        assert_eq!(get("host").as_deref(), Some("10.0.0.7:8000"));
+        assert_eq!(get("authorization").as_deref(), Some("Bearer k"));
+        assert_eq!(get("x-session-id").as_deref(), Some("s1"));
+        for gone in [
+            "connection",
+            "transfer-encoding",
+            crate::prompt::TOKEN_IDS_HEADER,
+        ] {
+            assert_eq!(get(gone), None, "{gone} forwarded");
         }
     }
 }
