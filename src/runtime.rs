@@ -272,7 +272,18 @@ impl RouteTable {
                     };
                     let state = registry.get_or_create(&key);
                     // A target shared by routes with different caps takes the last one.
-                    state.trie.set_max_nodes(r.trie_max_nodes);
+                    let kv_cache_tokens = config
+                        .providers
+                        .iter()
+                        .find(|p| p.name == t.provider)
+                        .and_then(|p| p.kv_cache_tokens);
+                    state
+                        .trie
+                        .set_max_nodes(routing::cache_aware::trie_nodes_for_kv_cache(
+                            kv_cache_tokens,
+                            r.prompt_bytes_per_token,
+                            r.trie_max_nodes,
+                        ));
                     RouteTarget {
                         state,
                         peer: make_peer(up.addr, &timeouts),

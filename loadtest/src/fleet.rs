@@ -94,6 +94,13 @@ pub struct ReplicaHandle {
 }
 
 impl ReplicaHandle {
+    /// KV-cache capacity in tokens (blocks × block size), what vLLM logs as "GPU KV cache
+    /// size: N tokens".
+    pub fn kv_cache_tokens(&self) -> usize {
+        let c = self.replica.config();
+        c.cache_blocks.saturating_mul(c.block_size)
+    }
+
     /// `http://host:port`, the replica's OpenAI `api_base`.
     pub fn base_url(&self) -> String {
         format!("http://{}", self.http_addr)

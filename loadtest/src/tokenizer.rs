@@ -30,7 +30,7 @@ const FNV32_OFFSET: u32 = 0x811c_9dc5;
 const FNV32_PRIME: u32 = 0x0100_0193;
 
 /// FNV-1a, 32 bits.
-fn fnv1a32(bytes: &[u8]) -> u32 {
+pub fn fnv1a32(bytes: &[u8]) -> u32 {
     let mut h = FNV32_OFFSET;
     for &b in bytes {
         h ^= u32::from(b);

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rolter_loadtest::load::compare::{routes_toml, run_strategy, CompareArgs, DriverArgs};
+use rolter_loadtest::load::compare::{
+    routes_toml, routes_toml_with, run_strategy, CompareArgs, DriverArgs,
+};
 use rolter_loadtest::load::report::summarize;
 use rolter_loadtest::load::runner::{run, Dispatch, Mode, RunOptions};
 use rolter_loadtest::load::scrape::scrape_all;
@@ -166,7 +168,12 @@ async fn errors_are_counted_not_fatal() {
 #[tokio::test]
 async fn routing_file_and_direct_compare() {
     let fleet = spawn_fleet(FleetConfig::default()).await.unwrap();
-    for strategy in ["round_robin", "precise_cache_aware", "lmcache_aware"] {
+    for strategy in [
+        "round_robin",
+        "cache_aware",
+        "precise_cache_aware",
+        "lmcache_aware",
+    ] {
         let text = routes_toml(&fleet, strategy, "sim", "sim-model");
         let v: toml::Value = toml::from_str(&text).unwrap();
         let providers = v["providers"].as_array().unwrap();
@@ -183,6 +190,13 @@ async fn routing_file_and_direct_compare() {
         assert_eq!(
             providers[0].get("lmcache").is_some(),
             strategy == "lmcache_aware"
+        );
+        let cfg = FleetConfig::default().replica;
+        assert_eq!(
+            providers[0]
+                .get("kv_cache_tokens")
+                .and_then(|t| t.as_integer()),
+            (strategy == "cache_aware").then_some((cfg.cache_blocks * cfg.block_size) as i64)
         );
         if strategy == "precise_cache_aware" {
             let kv = &providers[0]["kv_events"];
@@ -201,6 +215,17 @@ async fn routing_file_and_direct_compare() {
         assert_eq!(route["targets"].as_array().unwrap().len(), 2);
         assert_eq!(route["targets"][1]["provider"].as_str(), Some("sim-1"));
     }
+    // --route-option lines land in the route's table, not in a target's.
+    let text = routes_toml_with(
+        &fleet,
+        "cache_aware",
+        "sim",
+        "sim-model",
+        &["trie_max_nodes = 5000".to_string()],
+    );
+    let v: toml::Value = toml::from_str(&text).unwrap();
+    assert_eq!(v["routes"][0]["trie_max_nodes"].as_integer(), Some(5000));
+    assert!(v["routes"][0]["targets"][0].get("trie_max_nodes").is_none());
     fleet.shutdown().await;
 
     // compare's per-strategy step, without a gateway.

@@ -82,6 +82,12 @@ pub struct ProviderConfig {
     /// Optional vLLM KV-event stream feeding `precise_cache_aware` routes.
     #[serde(default)]
     pub kv_events: Option<KvEventsConfig>,
+    /// The replica's KV-cache capacity in tokens (vLLM: `num_gpu_blocks` × block size, logged
+    /// at start-up as "GPU KV cache size: N tokens"). When set, the prefix trie of each
+    /// target on this provider is capped to about what the replica can hold, so the trie
+    /// forgets prompts the replica has likely evicted (see `routing::cache_aware`).
+    #[serde(default)]
+    pub kv_cache_tokens: Option<u64>,
 }
 
 /// Default staleness limit of a KV-event stream: requests were routed to a replica and
@@ -283,6 +289,10 @@ pub struct RouteConfig {
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
+    /// Average prompt bytes per token of this route's traffic, to turn a provider's
+    /// `kv_cache_tokens` into a trie size.
+    #[serde(default = "default_prompt_bytes_per_token")]
+    pub prompt_bytes_per_token: f64,
     /// Session affinity lifetime after a session's last request (pipeline).
     #[serde(default = "default_session_ttl_s")]
     pub session_ttl_s: u64,
@@ -327,6 +337,10 @@ fn default_session_cap() -> usize {
 
 fn default_cache_threshold() -> f64 {
     crate::routing::cache_aware::DEFAULT_CACHE_THRESHOLD
+}
+
+fn default_prompt_bytes_per_token() -> f64 {
+    crate::routing::cache_aware::DEFAULT_PROMPT_BYTES_PER_TOKEN
 }
 
 fn default_trie_max_nodes() -> usize {

@@ -281,3 +281,36 @@ fn control_characters_in_keys_and_values_stay_on_one_line() {
     let err = parse("\"a\\nb\" = 1\n\"a\\nb\" = 2\n", "dup.toml").unwrap_err();
     assert_eq!(err.to_string().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn kv_cache_tokens_and_prompt_bytes_per_token() {
+    let c = parse(GOOD, "good.toml").unwrap();
+    assert_eq!(c.providers[0].kv_cache_tokens, None);
+    assert_eq!(
+        c.routes[0].prompt_bytes_per_token,
+        crate::routing::cache_aware::DEFAULT_PROMPT_BYTES_PER_TOKEN
+    );
+    let sized = GOOD
+        .replace(
+            "api_base = \"http://127.0.0.1:8001\"",
+            "api_base = \"http://127.0.0.1:8001\"\nkv_cache_tokens = 131072",
+        )
+        .replace(
+            "strategy = \"round_robin\"",
+            "strategy = \"cache_aware\"\nprompt_bytes_per_token = 6.5",
+        );
+    let c = parse(&sized, "sized.toml").unwrap();
+    assert_eq!(c.providers[0].kv_cache_tokens, Some(131072));
+    assert_eq!(c.routes[0].prompt_bytes_per_token, 6.5);
+    for bad in ["0", "-1", "65.0", "nan"] {
+        let text = GOOD.replace(
+            "strategy = \"round_robin\"",
+            &format!("strategy = \"cache_aware\"\nprompt_bytes_per_token = {bad}"),
+        );
+        let err = parse(&text, "bad.toml").unwrap_err().to_string();
+        assert!(
+            err.contains("routes[0].prompt_bytes_per_token"),
+            "{bad}: {err}"
+        );
+    }
+}

@@ -83,6 +83,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 crate::prefix::trie::MAX_NODES_LIMIT
             ));
         }
+        if !(r.prompt_bytes_per_token > 0.0 && r.prompt_bytes_per_token <= 64.0) {
+            out.push(format!(
+                "routes[{i}].prompt_bytes_per_token: must be greater than 0 and at most 64"
+            ));
+        }
         if r.session_ttl_s == 0 || r.session_cap == 0 {
             out.push(format!(
                 "routes[{i}]: session_ttl_s and session_cap must be greater than 0"

@@ -5,7 +5,10 @@
 //! others look busy):
 //! 1. score = longest stored prefix / prompt length, per target;
 //! 2. best score ≥ threshold and the best target not overloaded → pin to it (`cache_hit`);
-//! 3. best score ≥ threshold but overloaded → least-loaded (`overloaded`);
+//!    among targets sharing the best score, the least loaded;
+//! 3. best score ≥ threshold but overloaded → least-loaded (`overloaded`); among equally
+//!    loaded targets, one that itself scores ≥ threshold (the highest, e.g. one holding the
+//!    conversation's system prompt), else the least warmed;
 //! 4. below threshold → least-loaded; when every load is equal, the least-warmed target
 //!    (fewest trie bytes), so cold prompts spread the cache across the fleet
 //!    (`below_threshold`);
@@ -24,6 +27,31 @@ pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
 pub const OVERLOAD_ABS: u64 = 2;
 /// Overload guard, relative part: multiple of the least-loaded target's load (SPEC §4).
 pub const OVERLOAD_RATIO: f64 = 1.5;
+
+/// Default prompt bytes per token: English text averages about 4 characters per BPE token
+/// (OpenAI's rule of thumb); the chat encoding adds a few bytes per message.
+pub const DEFAULT_PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
+/// Distinct prompt bytes a trie node holds on average when filled with chat prompts:
+/// `src/prefix/trie.rs` measures 96.1 B of memory per node and 1.64 B per stored byte.
+pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = 96.1 / 1.64;
+
+/// Node cap of a target's prefix trie so that it holds about as many distinct prompt bytes
+/// as its replica's KV cache holds tokens (`kv_cache_tokens` × `bytes_per_token`), never above
+/// `route_cap`. The trie's LRU then forgets what the replica's LRU has likely evicted, instead
+/// of scoring on prompts long gone from the replica; without a capacity, `route_cap`.
+pub fn trie_nodes_for_kv_cache(
+    kv_cache_tokens: Option<u64>,
+    bytes_per_token: f64,
+    route_cap: usize,
+) -> usize {
+    match kv_cache_tokens {
+        Some(tokens) => {
+            let nodes = (tokens as f64 * bytes_per_token / TRIE_PROMPT_BYTES_PER_NODE).ceil();
+            (nodes as usize).clamp(2, route_cap.max(2))
+        }
+        None => route_cap,
+    }
+}
 
 /// The cache-aware strategy.
 #[derive(Debug)]
@@ -74,6 +102,46 @@ pub fn least_loaded_then_coldest(fleet: &FleetView) -> Option<usize> {
     pick_random(least.into_iter().filter(|&i| warmth(i) == coldest))
 }
 
+/// Among `scored` targets, one with the fewest in flight, at random.
+fn least_loaded_of<'s>(
+    fleet: &FleetView,
+    scored: impl Iterator<Item = &'s (usize, f64)> + Clone,
+) -> Option<usize> {
+    let load = |i: usize| fleet.candidates[i].inflight;
+    let min = scored.clone().map(|&(i, _)| load(i)).min()?;
+    pick_random(scored.filter(|&&(i, _)| load(i) == min).map(|&(i, _)| i))
+}
+
+/// Where a request goes when its best target is overloaded: the least-loaded eligible
+/// target; among equally loaded ones, one that itself holds at least `threshold` of the
+/// prompt (the highest score, e.g. the conversation's system prompt), else the least warmed.
+/// Returns the target and its score.
+fn overflow_target(
+    fleet: &FleetView,
+    scored: &[(usize, f64)],
+    threshold: f64,
+) -> Option<(usize, f64)> {
+    let min = fleet.min_inflight()?;
+    let warm: Vec<(usize, f64)> = scored
+        .iter()
+        .copied()
+        .filter(|&(i, s)| fleet.candidates[i].inflight == min && s >= threshold)
+        .collect();
+    let top = warm
+        .iter()
+        .map(|&(_, s)| s)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let target = match pick_random(warm.iter().filter(|&&(_, s)| s == top).map(|&(i, _)| i)) {
+        Some(t) => t,
+        None => least_loaded_then_coldest(fleet)?,
+    };
+    let score = scored
+        .iter()
+        .find(|&&(i, _)| i == target)
+        .map_or(0.0, |&(_, s)| s);
+    Some((target, score))
+}
+
 impl Strategy for CacheAware {
     fn name(&self) -> &'static str {
         "cache_aware"
@@ -88,38 +156,33 @@ impl Strategy for CacheAware {
                 score: None,
             });
         }
-        // Best score, with a uniform random pick among exact ties (reservoir).
-        let mut best: Option<(usize, f64)> = None;
-        let mut ties = 0usize;
-        for (i, score) in prefix_scores(input.prompt, fleet) {
-            match best {
-                Some((_, b)) if score < b => {}
-                Some((_, b)) if score == b => {
-                    ties += 1;
-                    if rand::Rng::gen_range(&mut rand::thread_rng(), 0..ties) == 0 {
-                        best = Some((i, score));
-                    }
-                }
-                _ => {
-                    best = Some((i, score));
-                    ties = 1;
-                }
+        let scored: Vec<(usize, f64)> = prefix_scores(input.prompt, fleet).collect();
+        let best_score = scored
+            .iter()
+            .map(|&(_, s)| s)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if best_score >= self.threshold {
+            // Among targets sharing the best score, the least loaded (then at random).
+            let best = least_loaded_of(fleet, scored.iter().filter(|&&(_, s)| s == best_score))?;
+            if !overloaded(fleet.candidates[best].inflight, min) {
+                return Some(Decision {
+                    target: best,
+                    reason: Reason::CacheHit,
+                    score: Some(best_score),
+                });
             }
+            let (target, score) = overflow_target(fleet, &scored, self.threshold)?;
+            return Some(Decision {
+                target,
+                reason: Reason::Overloaded,
+                score: Some(score),
+            });
         }
-        let (best, score) = best?;
-        let (target, reason) = if score >= self.threshold {
-            if overloaded(fleet.candidates[best].inflight, min) {
-                (fleet.least_loaded()?, Reason::Overloaded)
-            } else {
-                (best, Reason::CacheHit)
-            }
-        } else {
-            (least_loaded_then_coldest(fleet)?, Reason::BelowThreshold)
-        };
+        // Cold (or only trivially shared, e.g. the chat template) prompts spread the cache.
         Some(Decision {
-            target,
-            reason,
-            score: Some(score),
+            target: least_loaded_then_coldest(fleet)?,
+            reason: Reason::BelowThreshold,
+            score: Some(best_score),
         })
     }
 
@@ -255,6 +318,126 @@ mod tests {
             seen[d.target] += 1;
         }
         assert!(seen[0] > 20 && seen[1] > 20, "{seen:?}");
+    }
+
+    #[test]
+    fn equally_warm_targets_prefer_the_least_loaded() {
+        let t = tries(3);
+        t[0].insert(b"same prefix here");
+        t[1].insert(b"same prefix here");
+        // 0 and 1 tie on score; 1 has fewer in flight; 2 is idle but cold.
+        let c = fleet(&t, &[2, 1, 0], &[true; 3]);
+        for _ in 0..50 {
+            let d = CacheAware::default()
+                .select(&input(b"same prefix here too"), &FleetView::new(&c))
+                .unwrap();
+            assert_eq!((d.target, d.reason), (1, Reason::CacheHit));
+        }
+    }
+
+    #[test]
+    fn overloaded_goes_to_the_least_loaded_target_holding_most_of_the_prompt() {
+        let t = tries(3);
+        let system = "S".repeat(200);
+        let conversation = format!("{system}|user 1: hello|assistant: hi|user 1: more");
+        t[0].insert(conversation.as_bytes());
+        t[1].insert(format!("{system}|user 2: other question").as_bytes());
+        t[2].insert(b"unrelated");
+        // 0 is overloaded (5 > 1 + 2 and 5 > 1.5); 1 and 2 are equally least loaded and 1
+        // holds the system prompt.
+        let c = fleet(&t, &[5, 1, 1], &[true; 3]);
+        let prompt = format!("{conversation}|assistant: ok|user 1: again");
+        for _ in 0..50 {
+            let d = CacheAware::default()
+                .select(&input(prompt.as_bytes()), &FleetView::new(&c))
+                .unwrap();
+            assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
+            assert!(d.score.unwrap() > 0.5, "{d:?}");
+        }
+        // Load still comes first: a less loaded cold target beats a warmer busier one.
+        let c = fleet(&t, &[5, 2, 1], &[true; 3]);
+        let d = CacheAware::default()
+            .select(&input(prompt.as_bytes()), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (2, Reason::Overloaded));
+    }
+
+    /// Chat prompts all share a few template bytes: a trivial partial match must not
+    /// pull every cold conversation onto the warmest target.
+    #[test]
+    fn below_threshold_ignores_a_trivial_partial_match() {
+        let t = tries(3);
+        t[0].insert(format!("You are assistant 0. {}", "x".repeat(500)).as_bytes());
+        let prompt = format!("You are assistant 1. {}", "y".repeat(500));
+        let c = fleet(&t, &[0, 0, 0], &[true; 3]);
+        for _ in 0..50 {
+            let d = CacheAware::default()
+                .select(&input(prompt.as_bytes()), &FleetView::new(&c))
+                .unwrap();
+            assert_eq!(d.reason, Reason::BelowThreshold);
+            assert_ne!(d.target, 0, "the warm target took a cold conversation");
+        }
+    }
+
+    #[test]
+    fn overloaded_with_no_other_warm_target_goes_least_warmed() {
+        let t = tries(3);
+        let system = "S".repeat(200);
+        t[0].insert(format!("{system}|user 1").as_bytes());
+        t[1].insert(&[b'S'; 60]);
+        t[2].insert(b"z");
+        // 1 shares 60 of ~210 bytes (below threshold): no better than the colder 2.
+        let c = fleet(&t, &[5, 1, 1], &[true; 3]);
+        for _ in 0..30 {
+            let d = CacheAware::default()
+                .select(
+                    &input(format!("{system}|user 1 again").as_bytes()),
+                    &FleetView::new(&c),
+                )
+                .unwrap();
+            assert_eq!((d.target, d.reason), (2, Reason::Overloaded));
+        }
+    }
+
+    #[test]
+    fn trie_cap_follows_the_replica_kv_cache() {
+        // No capacity known: the route's cap.
+        assert_eq!(trie_nodes_for_kv_cache(None, 4.0, 1_000_000), 1_000_000);
+        // 8,192 tokens × 6 B ≈ 49 KB of prompt ≈ 839 nodes of ~58.6 B.
+        let n = trie_nodes_for_kv_cache(Some(8192), 6.0, 1_000_000);
+        assert!((830..=850).contains(&n), "{n}");
+        // Twice the cache, twice the nodes; never above the route's cap, never below 2.
+        let n2 = trie_nodes_for_kv_cache(Some(16384), 6.0, 1_000_000);
+        assert!(n2.abs_diff(2 * n) <= 1, "{n} {n2}");
+        assert_eq!(trie_nodes_for_kv_cache(Some(1 << 40), 4.0, 5000), 5000);
+        assert_eq!(trie_nodes_for_kv_cache(Some(0), 4.0, 5000), 2);
+    }
+
+    /// A trie sized to its replica's cache forgets the oldest conversations as the replica
+    /// would, so a prompt seen long ago no longer pins a request there.
+    #[test]
+    fn a_trie_sized_to_the_cache_forgets_old_prompts() {
+        let cap = trie_nodes_for_kv_cache(Some(512), 4.0, 1_000_000);
+        let t = PrefixTrie::new(cap);
+        let old = format!("old {}", "o".repeat(1000));
+        t.insert(old.as_bytes());
+        assert_eq!(t.match_len(old.as_bytes()), old.len());
+        for i in 0..8 {
+            t.insert(format!("new {i} {}", "n".repeat(1000)).as_bytes());
+        }
+        assert_eq!(
+            t.match_len(old.as_bytes()),
+            0,
+            "8 KB of newer prompts evicted it"
+        );
+        assert!(t.node_count() <= cap);
+        // An unsized trie still holds it.
+        let big = PrefixTrie::new(trie_nodes_for_kv_cache(None, 4.0, 1_000_000));
+        big.insert(old.as_bytes());
+        for i in 0..8 {
+            big.insert(format!("new {i} {}", "n".repeat(1000)).as_bytes());
+        }
+        assert_eq!(big.match_len(old.as_bytes()), old.len());
     }
 
     /// A burst of new conversations sharing one system prompt spreads across the fleet

@@ -118,7 +118,12 @@ async fn main() -> std::process::ExitCode {
                 .build()
                 .expect("http client");
             let before = scrape_all(&client, &metrics_urls).await;
-            let outcome = run(sessions, dispatch, driver.run_options(workload.seed)).await;
+            let outcome = run(
+                sessions.clone(),
+                dispatch,
+                driver.run_options(workload.seed),
+            )
+            .await;
             let after = scrape_all(&client, &metrics_urls).await;
             let (before, after) = match (before, after) {
                 (Ok(b), Ok(a)) => (b, a),
@@ -129,6 +134,10 @@ async fn main() -> std::process::ExitCode {
                     (Vec::new(), Vec::new())
                 }
             };
+            if let Err(e) = driver.write_trace(&label, &outcome, &sessions) {
+                eprintln!("rolter-load run: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
             let report = summarize(&label, &outcome, &before, &after);
             println!("{}\n", describe_workload(&workload, n));
             println!("{}", markdown_table(&[report], Some(bound)));

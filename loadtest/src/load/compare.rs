@@ -8,8 +8,10 @@
 //!
 //! Strategies `direct_round_robin` and `direct_session_hash` bypass the gateway (the driver
 //! picks the replica itself): baselines, and a way to check this harness without a gateway.
-//! `precise_cache_aware` gets `[providers.kv_events]` and `lmcache_aware` gets
-//! `[providers.lmcache]` in the routing file; other strategies get neither.
+//! `precise_cache_aware` gets `[providers.kv_events]`, `lmcache_aware` gets
+//! `[providers.lmcache]` and `cache_aware` gets each provider's `kv_cache_tokens` (the
+//! replica's cache size, which sizes its prefix trie) in the routing file; other strategies
+//! get none of these.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -21,10 +23,10 @@ use tokio::process::{Child, Command};
 
 use crate::fleet::{spawn_fleet, FleetHandle};
 use crate::load::report::{markdown_table, summarize, StrategyReport};
-use crate::load::runner::{run, Dispatch, Mode, RunOptions};
+use crate::load::runner::{run, write_trace, Dispatch, Mode, RunOptions, RunOutcome};
 use crate::load::scrape::scrape_all;
 use crate::load::upper_bound::{upper_bound, HitCount};
-use crate::load::workload::{generate, request_count, WorkloadKind, WorkloadSpec};
+use crate::load::workload::{generate, request_count, Session, WorkloadKind, WorkloadSpec};
 use crate::sim_args::SimArgs;
 
 /// Strategies that bypass the gateway.
@@ -74,6 +76,10 @@ pub struct DriverArgs {
     /// (exponential; 0 = none).
     #[arg(long, default_value_t = 0.0)]
     pub think_time_ms: f64,
+    /// Write a per-request trace (JSON lines: session, turn, replica, prompt and cached
+    /// tokens, timings) to DIR/<strategy or label>.jsonl.
+    #[arg(long)]
+    pub trace_dir: Option<PathBuf>,
 }
 
 impl DriverArgs {
@@ -93,6 +99,22 @@ impl DriverArgs {
             think_time: Duration::from_secs_f64(self.think_time_ms.max(0.0) / 1e3),
             seed,
         }
+    }
+
+    /// Write `run`'s per-request trace as `<trace_dir>/<name>.jsonl`, if a directory is set.
+    pub fn write_trace(
+        &self,
+        name: &str,
+        run: &RunOutcome,
+        sessions: &[Session],
+    ) -> Result<(), CompareError> {
+        let Some(dir) = &self.trace_dir else {
+            return Ok(());
+        };
+        let path = dir.join(format!("{name}.jsonl"));
+        std::fs::create_dir_all(dir)
+            .and_then(|()| write_trace(&path, run, sessions))
+            .map_err(|source| CompareError::Write { path, source })
     }
 
     fn describe(&self) -> String {
@@ -124,6 +146,10 @@ pub struct CompareArgs {
     /// Extra argument for the gateway (repeatable), e.g. --gateway-arg=-c --gateway-arg=conf/pingora.yaml.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
+    /// Extra `key = value` line for the route's table in the routing file (repeatable), e.g.
+    /// --route-option 'cache_threshold = 0.6'.
+    #[arg(long = "route-option")]
+    pub route_options: Vec<String>,
     /// Markdown output (default loadtest/reports/<workload>.md); a .json copy is written beside.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -142,6 +168,17 @@ pub fn routes_toml(
     model: &str,
     upstream_model: &str,
 ) -> String {
+    routes_toml_with(fleet, strategy, model, upstream_model, &[])
+}
+
+/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`).
+pub fn routes_toml_with(
+    fleet: &FleetHandle,
+    strategy: &str,
+    model: &str,
+    upstream_model: &str,
+    route_options: &[String],
+) -> String {
     let mut s = String::from("# Written by rolter-load compare.\n");
     for r in fleet.replicas() {
         let _ = write!(
@@ -150,6 +187,10 @@ pub fn routes_toml(
             r.index,
             r.base_url()
         );
+        if strategy == "cache_aware" {
+            // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
+            let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
+        }
         if strategy == "precise_cache_aware" {
             if let Some(ep) = r.kv_events_endpoint() {
                 let _ = write!(
@@ -172,6 +213,9 @@ pub fn routes_toml(
         s,
         "\n[[routes]]\nmodel = \"{model}\"\nstrategy = \"{strategy}\"\n"
     );
+    for line in route_options {
+        let _ = writeln!(s, "{line}");
+    }
     for r in fleet.replicas() {
         let _ = write!(
             s,
@@ -350,11 +394,12 @@ pub async fn run_strategy(
         "direct_session_hash" => (Dispatch::SessionHash(urls.clone()), None),
         _ => {
             let routes = workdir.join(format!("routes-{strategy}.toml"));
-            let toml = routes_toml(
+            let toml = routes_toml_with(
                 &fleet,
                 strategy,
                 &driver.request_model,
                 &compare.upstream_model,
+                &compare.route_options,
             );
             std::fs::write(&routes, toml).map_err(|source| CompareError::Write {
                 path: routes.clone(),
@@ -386,10 +431,11 @@ pub async fn run_strategy(
         let before = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
-        let outcome = run(sessions, dispatch, driver.run_options(seed)).await;
+        let outcome = run(sessions.clone(), dispatch, driver.run_options(seed)).await;
         let after = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
+        driver.write_trace(strategy, &outcome, &sessions)?;
         Ok(summarize(strategy, &outcome, &before, &after))
     }
     .await;

@@ -190,6 +190,9 @@ mod tests {
             ttft: ok.then(|| ms(e2e / 2)),
             e2e: ms(e2e),
             prompt_tokens: 10,
+            replica: Some(0),
+            cached_tokens: Some(0),
+            sent_at: Duration::ZERO,
         };
         let run = RunOutcome {
             requests: vec![req(true, 10), req(true, 20), req(false, 5)],

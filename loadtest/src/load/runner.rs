@@ -101,6 +101,12 @@ pub struct RequestOutcome {
     /// Time to the end of the response.
     pub e2e: Duration,
     pub prompt_tokens: usize,
+    /// Replica that served it, from the completion id (`…-sim{i}-…`, the simulator's ids).
+    pub replica: Option<usize>,
+    /// `usage.prompt_tokens_details.cached_tokens` of the final chunk, if reported.
+    pub cached_tokens: Option<usize>,
+    /// When it was sent, from the start of the run.
+    pub sent_at: Duration,
 }
 
 /// All results of a run.
@@ -116,6 +122,7 @@ struct Shared {
     dispatch: Dispatch,
     opts: RunOptions,
     rr: AtomicUsize,
+    start: Instant,
     deadline: Instant,
     out: Mutex<Vec<RequestOutcome>>,
 }
@@ -133,6 +140,7 @@ pub async fn run(sessions: Arc<Vec<Session>>, dispatch: Dispatch, opts: RunOptio
         client,
         sessions,
         dispatch,
+        start,
         deadline: start + opts.max_duration,
         opts,
         rr: AtomicUsize::new(0),
@@ -225,9 +233,9 @@ async fn run_session(shared: &Shared, i: usize) {
         let started = Instant::now();
         let result = send_streaming(req, started).await;
         let e2e = started.elapsed();
-        let (ok, error, ttft, text) = match result {
-            Ok((ttft, text)) => (true, None, ttft, Some(text)),
-            Err(e) => (false, Some(e), None, None),
+        let (ok, error, ttft, text, meta) = match result {
+            Ok(s) => (true, None, s.ttft, Some(s.text), s.meta),
+            Err(e) => (false, Some(e), None, None, StreamMeta::default()),
         };
         let text = text.unwrap_or_else(|| tokenizer::reply(&tokens, session.max_tokens).0);
         replies.push(text);
@@ -239,15 +247,55 @@ async fn run_session(shared: &Shared, i: usize) {
             ttft,
             e2e,
             prompt_tokens: tokens.len(),
+            replica: meta.replica,
+            cached_tokens: meta.cached_tokens,
+            sent_at: started.duration_since(shared.start),
         });
     }
 }
 
-/// Send a streaming request; returns the TTFT and the reply text.
+/// What the stream told about where and how a request was served.
+#[derive(Debug, Clone, Copy, Default)]
+struct StreamMeta {
+    replica: Option<usize>,
+    cached_tokens: Option<usize>,
+}
+
+impl StreamMeta {
+    fn observe(&mut self, chunk: &Value) {
+        if self.replica.is_none() {
+            self.replica = chunk
+                .get("id")
+                .and_then(Value::as_str)
+                .and_then(replica_from_id);
+        }
+        if let Some(c) = chunk
+            .pointer("/usage/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+        {
+            self.cached_tokens = Some(c as usize);
+        }
+    }
+}
+
+/// The replica index in a simulator completion id (`chatcmpl-sim3-17` → 3).
+fn replica_from_id(id: &str) -> Option<usize> {
+    let rest = &id[id.find("-sim")? + 4..];
+    rest.split('-').next()?.parse().ok()
+}
+
+/// A finished stream: TTFT, reply text, where it was served.
+struct Streamed {
+    ttft: Option<Duration>,
+    text: String,
+    meta: StreamMeta,
+}
+
+/// Send a streaming request; returns the TTFT, the reply text and what the chunks said.
 async fn send_streaming(
     req: reqwest::RequestBuilder,
     started: Instant,
-) -> Result<(Option<Duration>, String), String> {
+) -> Result<Streamed, String> {
     let resp = req.send().await.map_err(|e| format!("send: {e}"))?;
     let status = resp.status();
     if !status.is_success() {
@@ -257,6 +305,7 @@ async fn send_streaming(
     let mut buf: Vec<u8> = Vec::new();
     let mut text = String::new();
     let mut ttft = None;
+    let mut meta = StreamMeta::default();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| format!("body: {e}"))?;
         buf.extend_from_slice(&chunk);
@@ -268,10 +317,11 @@ async fn send_streaming(
                 };
                 let data = data.trim();
                 if data == "[DONE]" {
-                    return Ok((ttft, text));
+                    return Ok(Streamed { ttft, text, meta });
                 }
                 let v: Value =
                     serde_json::from_str(data).map_err(|e| format!("bad SSE chunk: {e}"))?;
+                meta.observe(&v);
                 let piece = v
                     .pointer("/choices/0/delta/content")
                     .or_else(|| v.pointer("/choices/0/text"))
@@ -287,6 +337,62 @@ async fn send_streaming(
     Err("stream ended before [DONE]".into())
 }
 
+/// Write one JSON line per request (session, a hash of its system message, turn, replica,
+/// prompt and cached tokens, send time and latency in ms), in send order: the per-request view
+/// behind a report's hit rate.
+pub fn write_trace(
+    path: &std::path::Path,
+    run: &RunOutcome,
+    sessions: &[Session],
+) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut reqs: Vec<&RequestOutcome> = run.requests.iter().collect();
+    reqs.sort_by_key(|r| r.sent_at);
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for r in reqs {
+        let system = sessions
+            .get(r.session)
+            .and_then(|s| s.system.as_deref())
+            .map(|s| format!("{:08x}", tokenizer::fnv1a32(s.as_bytes())));
+        let line = json!({
+            "session": r.session,
+            "system": system,
+            "turn": r.turn,
+            "replica": r.replica,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "sent_ms": r.sent_at.as_secs_f64() * 1e3,
+            "e2e_ms": r.e2e.as_secs_f64() * 1e3,
+            "ok": r.ok,
+        });
+        writeln!(f, "{line}")?;
+    }
+    f.flush()
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_index_from_simulator_ids() {
+        assert_eq!(replica_from_id("chatcmpl-sim3-17"), Some(3));
+        assert_eq!(replica_from_id("cmpl-sim12-0"), Some(12));
+        assert_eq!(replica_from_id("chatcmpl-abc"), None);
+        assert_eq!(replica_from_id("chatcmpl-simx-1"), None);
+    }
+
+    #[test]
+    fn stream_meta_reads_replica_and_cached_tokens() {
+        let mut m = StreamMeta::default();
+        m.observe(&json!({"id": "chatcmpl-sim2-5", "choices": []}));
+        assert_eq!((m.replica, m.cached_tokens), (Some(2), None));
+        m.observe(&json!({"id": "chatcmpl-sim2-5",
+            "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}}));
+        assert_eq!((m.replica, m.cached_tokens), (Some(2), Some(64)));
+    }
 }
