@@ -3,7 +3,7 @@
 use clap::Parser;
 
 #[global_allocator]
-static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     // Plain (uncoloured) log lines: no per-line ANSI detection/stripping cost, and
