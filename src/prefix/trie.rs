@@ -64,8 +64,11 @@
 //!   critical section (inserts trust "my node's version is unchanged" to mean "still linked,
 //!   same path"); a slot is reused only after that. Eviction frees (slot resets, allocator
 //!   hand-back) happen after the lock is released, the nodes being unreachable by then.
-//! - The writer lock is `std::sync::Mutex` (spin, then futex): parking_lot's slow path calls
-//!   `sched_yield` up to seven times first, which costs more than the critical section.
+//! - The writer lock is `std::sync::Mutex` (futex), entered after up to ~2.6 us of `try_lock`
+//!   and pauses: std spins only while the mutex is not marked contended, so after one sleep two
+//!   busy threads fell into a convoy (every arrival slept, every unlock issued a futex wake;
+//!   rounds alternated between ~1.3x and ~0.55x). parking_lot's slow path calls `sched_yield`
+//!   up to seven times, which costs more than the critical section.
 //! - Read-mostly fields, the writer line, each free stack and the arena sit on separate cache
 //!   lines; a walk over back-to-back full nodes runs in a small loop that steps to the
 //!   next slot by address, so it never waits on a pointer load (~2 ns per 64-byte hop).
@@ -89,15 +92,13 @@
 //! - Two threads: matches scale perfectly (two match-only threads each cost what one does) and
 //!   a writer does not slow a concurrent matcher. Two threads each doing match + insert on the
 //!   same trie (the 1:1 worst case; a route does ~16 matches per insert; `-- concurrent`) do
-//!   not reach the 1.6x target: projected for dedicated cores 1.3-1.6x (median) when other
-//!   builds time-slice the two threads on one core, but in rounds where both really run at
-//!   once (no preemption) one op costs 1.6-2.2x the CPU of a single thread's (~2.0 us), plus
-//!   0.4-0.8 us asleep on the writer lock: ~0.8-1.1x. Separate tries: ~2.0x. Walks never
+//!   not reach the 1.6x target: with both threads really running at once (no preemption)
+//!   1.22-1.26x projected for dedicated cores (one op costs ~1.6x the CPU of a single
+//!   thread's ~1.9 us, ~60 ns asleep on the writer lock); 0.9-1.07x before the pre-spin.
+//!   Separate tries: ~1.95x. Walks never
 //!   restart (counted) and the lock is contended on ~1% of inserts; the extra CPU is spread
 //!   over single-line transfers: the writer line, the LRU tail's and the shared id-branch
-//!   nodes' bookkeeping, victims another thread's `warm` also read, and the futex wake-ups
-//!   after the rare long critical section (a chat's last turn frees its whole ~80-node run).
-//!   Per-stripe allocator locks and the counters on the writer line did not move it outside
+//!   nodes' bookkeeping, victims another thread's `warm` also read. Per-stripe allocator locks and the counters on the writer line did not move it outside
 //!   the noise. Removing the rest needs per-node writer locks (the seqlock versions as CAS
 //!   locks) so inserts on different paths and evictions proceed in parallel, and per-thread
 //!   LRU lists merged by an insertion stamp; not done.
@@ -148,6 +149,11 @@ const FREE_STRIPES: usize = 4;
 /// Evicted runs whose freeing can wait until the writer lock is released (more are freed in
 /// place): an insert typically evicts one or two prompts.
 const DEFERRED_RUNS: usize = 8;
+
+/// Writer-lock attempts (each followed by pauses, ~26 ns each here) before `Mutex::lock`:
+/// ~2.6 us, std's own spin budget, but also spent when the mutex is marked contended.
+const WRITER_TRIES: usize = 25;
+const WRITER_TRY_PAUSES: usize = 4;
 
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).
@@ -746,6 +752,18 @@ impl PrefixTrie {
     /// Poisoning is ignored: a panic mid-update cannot leave a reader-visible inconsistency
     /// (readers validate versions), only leaked slots.
     fn lock_writer(&self) -> std::sync::MutexGuard<'_, ()> {
+        use std::sync::TryLockError;
+        for _ in 0..WRITER_TRIES {
+            match self.writer.lock.try_lock() {
+                Ok(g) => return g,
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    for _ in 0..WRITER_TRY_PAUSES {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        }
         self.writer.lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
