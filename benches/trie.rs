@@ -17,7 +17,8 @@
 //!   neighbours.
 //!
 //! Run: `cargo bench --bench trie` (about two and a half minutes on two cores); a filter such as
-//! `cargo bench --bench trie -- match/8KiB` skips the costly setups of the other groups.
+//! `cargo bench --bench trie -- match/8KiB` skips the costly setups of the other groups. For a
+//! profiler, `-- concurrent/1-thread --profile-time 10` runs only that loop (no A/B rounds).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rolter::prefix::PrefixTrie;
@@ -259,6 +260,12 @@ fn wanted(group: &str) -> bool {
             .any(|f| group.contains(f) || f.contains(group))
 }
 
+/// Whether criterion runs in `--profile-time` mode (under a profiler: only the selected
+/// benchmark's loop should run, so the A/B rounds are skipped).
+fn profiling() -> bool {
+    std::env::args().any(|a| a == "--profile-time")
+}
+
 fn bench_concurrent(c: &mut Criterion) {
     if !wanted("concurrent") {
         return;
@@ -288,6 +295,9 @@ fn bench_concurrent(c: &mut Criterion) {
         b.iter_custom(|n| run_workers(&[&sep_a, &sep_b], &mut sep_chats, n))
     });
     g.finish();
+    if profiling() {
+        return;
+    }
 
     // Interleaved A/B rounds, so background load on the shared machine hits all sides alike.
     // Wall-clock speedup = t(1 thread) / t(2 threads) for the same number of ops. On a machine

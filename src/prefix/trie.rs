@@ -45,27 +45,39 @@
 //!   atomic, so a racing read is stale but memory-safe, and validation rejects it. After 4
 //!   failed attempts a walk reads under the writer lock (progress guarantee).
 //! - **Writers serialise on one per-trie mutex and keep it short.** Before locking, an insert
-//!   walks optimistically to where its prompt leaves the trie, allocates (separate short
-//!   allocator lock) and fills the nodes of its new suffix (private until linked), and touches
+//!   walks optimistically to where its prompt leaves the trie, allocates (from its thread's
+//!   own free stack, see below) and fills the nodes of its new suffix (private until linked),
+//!   and touches
 //!   the next eviction victims, the coldest memory in the trie, so their DRAM misses overlap
 //!   other threads' work. Under the lock it only checks that the node it stopped at is
-//!   unchanged (else re-walks), links the suffix, updates the LRU, evicts and publishes the
-//!   counters. The getters read those atomics and never lock.
+//!   unchanged (else re-walks), links the suffix, updates the LRU, evicts and stores the
+//!   writer's state (LRU ends, counters) back into atomics on the lock's own cache line, so a
+//!   write moves one line of shared writer state between cores. The getters read those atomics
+//!   and never lock.
+//! - Free slots sit on per-thread-stripe stacks, each behind its own lock on its own lines; a
+//!   thread allocates from the stack its evictions free to (stealing from the others before
+//!   the arena grows, under a separate arena lock), so in steady state allocation and freeing
+//!   touch no line another thread writes.
 //! - Rules every writer step follows (the concurrent tests caught each one being broken): change
 //!   nodes top-down, parent before child, each inside its seqlock (a walk validates a parent
 //!   after reading its child's version); any node unlinked gets a new version inside the same
 //!   critical section (inserts trust "my node's version is unchanged" to mean "still linked,
 //!   same path"); a slot is reused only after that. Eviction frees (slot resets, allocator
 //!   hand-back) happen after the lock is released, the nodes being unreachable by then.
-//! - The writer lock is `std::sync::Mutex` (spin, then futex): parking_lot's slow path calls
-//!   `sched_yield` up to seven times first, which costs more than the critical section.
-//! - Read-mostly fields, the writer lock, the allocator lock and the counters sit on separate
-//!   cache lines; a walk over back-to-back full nodes runs in a small loop that steps to the
+//! - The writer lock is `std::sync::Mutex` (futex), entered after up to ~2.6 us of `try_lock`
+//!   and pauses: std spins only while the mutex is not marked contended, so after one sleep two
+//!   busy threads fell into a convoy (every arrival slept, every unlock issued a futex wake;
+//!   rounds alternated between ~1.3x and ~0.55x). parking_lot's slow path calls `sched_yield`
+//!   up to seven times, which costs more than the critical section.
+//! - Read-mostly fields, the writer line, each free stack and the arena sit on separate cache
+//!   lines; a walk over back-to-back full nodes runs in a small loop that steps to the
 //!   next slot by address, so it never waits on a pointer load (~2 ns per 64-byte hop).
 //!
 //! Measured and rejected: flat combining (queueing inserts for the lock holder) was 0.5-0.8x
 //! on two threads (the holder could not keep up with the other thread's cache-cold work);
-//! spinning longer before sleeping on the writer lock only burned CPU on this shared machine.
+//! spinning longer before sleeping on the writer lock only burned CPU on this shared machine
+//! (measured again: try_lock with pauses for up to ~13 us before the futex took the projected
+//! two-thread speedup from ~1.5x to ~1.0x under load, spinning on a preempted holder).
 //!
 //! # Measured
 //! `cargo bench --bench trie` on the shared 2-vCPU AMD EPYC (Zen 5) VM, load average 1-5 from
@@ -79,11 +91,17 @@
 //! - Memory at the 1M-node cap: 91.6 MiB (96.1 B per node, 1.64 B per stored prompt byte).
 //! - Two threads: matches scale perfectly (two match-only threads each cost what one does) and
 //!   a writer does not slow a concurrent matcher. Two threads each doing match + insert on the
-//!   same trie (the 1:1 worst case; a route does ~16 matches per insert) reached 1.5-1.8x one
-//!   thread in quiet moments but 0.9-1.5x (projected for dedicated cores) under load, against
-//!   ~1.9x for separate tries: every insert moves the writer's cache lines (lock, LRU tail,
-//!   allocator, victims) between cores, ~1-2 us of CPU per op. Fine-grained writer locking
-//!   (per-node CAS locks, striped LRU) would remove that; it is not done.
+//!   same trie (the 1:1 worst case; a route does ~16 matches per insert; `-- concurrent`) do
+//!   not reach the 1.6x target: with both threads really running at once (no preemption)
+//!   1.22-1.26x projected for dedicated cores (one op costs ~1.6x the CPU of a single
+//!   thread's ~1.9 us, ~60 ns asleep on the writer lock); 0.9-1.07x before the pre-spin.
+//!   Separate tries: ~1.95x. Walks never
+//!   restart (counted) and the lock is contended on ~1% of inserts; the extra CPU is spread
+//!   over single-line transfers: the writer line, the LRU tail's and the shared id-branch
+//!   nodes' bookkeeping, victims another thread's `warm` also read. Per-stripe allocator locks and the counters on the writer line did not move it outside
+//!   the noise. Removing the rest needs per-node writer locks (the seqlock versions as CAS
+//!   locks) so inserts on different paths and evictions proceed in parallel, and per-thread
+//!   LRU lists merged by an insertion stamp; not done.
 
 use parking_lot::Mutex;
 use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
@@ -131,6 +149,11 @@ const FREE_STRIPES: usize = 4;
 /// Evicted runs whose freeing can wait until the writer lock is released (more are freed in
 /// place): an insert typically evicts one or two prompts.
 const DEFERRED_RUNS: usize = 8;
+
+/// Writer-lock attempts (each followed by pauses, ~26 ns each here) before `Mutex::lock`:
+/// ~2.6 us, std's own spin budget, but also spent when the mutex is marked contended.
+const WRITER_TRIES: usize = 25;
+const WRITER_TRY_PAUSES: usize = 4;
 
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).
@@ -253,7 +276,9 @@ struct WSlot {
     end: AtomicU32,
 }
 
-/// Everything only the (single) writer touches.
+/// The writer's state, copied out of `Stats` when a critical section starts and stored back
+/// when it ends.
+#[derive(Clone, Copy)]
 struct Writer {
     lru_head: u32,
     lru_tail: u32,
@@ -263,13 +288,9 @@ struct Writer {
     evictions: u64,
 }
 
-/// Slot allocator: free stack, high-water mark and arena growth. Its own short lock, so an
-/// inserter can allocate and fill its new chain before taking the writer lock. Lock order:
-/// writer, then allocator.
-struct Allocator {
-    /// Tops of the free stacks, linked through `WSlot::next`: one per thread stripe, so the
-    /// slots a thread frees (their lines in its cache) are the ones its next chain reuses.
-    free: [u32; FREE_STRIPES],
+/// Arena growth: high-water mark, segments and directories. Behind its own lock, taken only
+/// when every free stack is short (the fill phase, or a new high-water mark).
+struct Arena {
     /// Slots ever handed out (the arena's high-water mark).
     high: usize,
     segments: usize,
@@ -336,21 +357,39 @@ pub struct PrefixTrie {
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
-    writer: Padded<std::sync::Mutex<Writer>>,
-    alloc: Padded<Mutex<Allocator>>,
-    stats: Padded<Stats>,
+    /// The writer lock and the state it guards, on one cache line: each write moves just that
+    /// line between cores. Getters read the state lock-free.
+    writer: Padded<WriterLine>,
+    /// Free-slot stacks (top of each, linked through `WSlot::next`), one per thread stripe,
+    /// each behind its own lock on its own lines: a thread allocates from the stack it frees
+    /// to, so in steady state it locks a line no other thread touches, and the slots it reuses
+    /// are the ones whose lines it last wrote. Lock order: writer, then one stack at a time,
+    /// then the arena.
+    free: [Padded<Mutex<u32>>; FREE_STRIPES],
+    arena: Padded<Mutex<Arena>>,
+    /// Heap bytes held (changes only when the arena grows).
+    mem: AtomicUsize,
 }
 
-/// Counters published by the writer after each operation, for lock-free getters.
-#[derive(Default)]
+/// The writer lock (guarding `stats`, hence `()`) and the writer's state.
+#[repr(C)]
+struct WriterLine {
+    lock: std::sync::Mutex<()>,
+    stats: Stats,
+}
+
+const _: () = assert!(std::mem::size_of::<WriterLine>() <= 64, "one cache line");
+
+/// The writer's state, stored (only under the writer lock) at the end of each critical section;
+/// getters and `warm` load it without locking.
 struct Stats {
     nodes: AtomicUsize,
     bytes: AtomicUsize,
     prompts: AtomicUsize,
     evictions: AtomicU64,
-    mem: AtomicUsize,
-    /// Hint for `warm`: the oldest prompt's terminal node.
+    /// The oldest prompt's terminal node (also a hint for `warm`).
     lru_head: AtomicU32,
+    lru_tail: AtomicU32,
 }
 
 /// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
@@ -365,7 +404,7 @@ impl<T> std::ops::Deref for Padded<T> {
 }
 
 // SAFETY: all shared state is atomics or behind the mutexes; the raw `Dir`/`Segment` pointers
-// are owned by the trie, replaced only under the allocator lock and freed only in `Drop`.
+// are owned by the trie, replaced only under the arena lock and freed only in `Drop`.
 unsafe impl Send for PrefixTrie {}
 // SAFETY: as above; readers only load atomics through `&self`.
 unsafe impl Sync for PrefixTrie {}
@@ -626,16 +665,19 @@ impl PrefixTrie {
         let dir = Box::into_raw(Dir::with_len(1));
         let t = PrefixTrie {
             dir: AtomicPtr::new(dir),
-            writer: Padded(std::sync::Mutex::new(Writer {
-                lru_head: NIL,
-                lru_tail: NIL,
-                nodes: 0,
-                bytes: 0,
-                prompts: 0,
-                evictions: 0,
-            })),
-            alloc: Padded(Mutex::new(Allocator {
-                free: [NIL; FREE_STRIPES],
+            writer: Padded(WriterLine {
+                lock: std::sync::Mutex::new(()),
+                stats: Stats {
+                    nodes: AtomicUsize::new(0),
+                    bytes: AtomicUsize::new(0),
+                    prompts: AtomicUsize::new(0),
+                    evictions: AtomicU64::new(0),
+                    lru_head: AtomicU32::new(NIL),
+                    lru_tail: AtomicU32::new(NIL),
+                },
+            }),
+            free: std::array::from_fn(|_| Padded(Mutex::new(NIL))),
+            arena: Padded(Mutex::new(Arena {
                 high: 0,
                 segments: 0,
                 dir_len: 1,
@@ -644,7 +686,7 @@ impl PrefixTrie {
             })),
             k,
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
-            stats: Padded(Stats::default()),
+            mem: AtomicUsize::new(0),
         };
         let root = t.take_slots(1);
         debug_assert_eq!(root, ROOT);
@@ -709,17 +751,42 @@ impl PrefixTrie {
     /// first, and those syscalls cost more CPU than the critical section they wait for.
     /// Poisoning is ignored: a panic mid-update cannot leave a reader-visible inconsistency
     /// (readers validate versions), only leaked slots.
-    fn lock_writer(&self) -> std::sync::MutexGuard<'_, Writer> {
-        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_writer(&self) -> std::sync::MutexGuard<'_, ()> {
+        use std::sync::TryLockError;
+        for _ in 0..WRITER_TRIES {
+            match self.writer.lock.try_lock() {
+                Ok(g) => return g,
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    for _ in 0..WRITER_TRY_PAUSES {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        }
+        self.writer.lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The writer's state; call with the writer lock held.
+    fn load_writer(&self) -> Writer {
+        let st = &self.writer.stats;
+        Writer {
+            lru_head: st.lru_head.load(Relaxed),
+            lru_tail: st.lru_tail.load(Relaxed),
+            nodes: st.nodes.load(Relaxed),
+            bytes: st.bytes.load(Relaxed),
+            prompts: st.prompts.load(Relaxed),
+            evictions: st.evictions.load(Relaxed),
+        }
     }
 
     /// Run `f` under the writer lock, publish the counters, then free what it unlinked.
     fn with_writer(&self, f: impl FnOnce(&mut Ctx<'_>)) {
         let deferred = {
-            let mut g = self.lock_writer();
+            let _g = self.lock_writer();
             let mut cx = Ctx {
                 t: self,
-                w: &mut g,
+                w: self.load_writer(),
                 d: DEFERRED_NONE,
             };
             f(&mut cx);
@@ -815,16 +882,20 @@ impl PrefixTrie {
     }
 
     /// `n` slots from the allocator, linked through `WSlot::next` (NIL-terminated), most
-    /// recently freed first (so a run freed together is reused in its original order).
+    /// recently freed first (so a run freed together is reused in its original order). Takes
+    /// from this thread's stack first, then the others' (so freed slots are always reused
+    /// before the arena grows), then fresh slots.
     fn take_slots(&self, n: usize) -> u32 {
         debug_assert!(n > 0);
         let mine = free_stripe();
-        let mut a = self.alloc.lock();
         let (mut head, mut tail, mut got) = (NIL, NIL, 0);
         for i in 0..FREE_STRIPES {
-            let stripe = (mine + i) % FREE_STRIPES;
-            let top = a.free[stripe];
-            if got == n || top == NIL {
+            if got == n {
+                break;
+            }
+            let mut free = self.free[(mine + i) % FREE_STRIPES].lock();
+            let top = *free;
+            if top == NIL {
                 continue;
             }
             // Cut the first `n - got` slots off this stack and append them to the list.
@@ -837,7 +908,8 @@ impl PrefixTrie {
                 }
                 (last, got) = (nx, got + 1);
             }
-            a.free[stripe] = self.wslot(last).next.load(Relaxed);
+            *free = self.wslot(last).next.load(Relaxed);
+            drop(free);
             self.wslot(last).next.store(NIL, Relaxed);
             if head == NIL {
                 head = top;
@@ -846,6 +918,10 @@ impl PrefixTrie {
             }
             tail = last;
         }
+        if got == n {
+            return head;
+        }
+        let mut a = self.arena.lock();
         while got < n {
             let id = self.fresh_slot(&mut a);
             self.wslot(id).next.store(NIL, Relaxed);
@@ -859,15 +935,14 @@ impl PrefixTrie {
         head
     }
 
-    /// Push a list of slots (`head`..`tail` through `WSlot::next`) on the free stack.
+    /// Push a list of slots (`head`..`tail` through `WSlot::next`) on this thread's stack.
     fn give_back(&self, head: u32, tail: u32) {
-        let stripe = free_stripe();
-        let mut a = self.alloc.lock();
-        self.wslot(tail).next.store(a.free[stripe], Relaxed);
-        a.free[stripe] = head;
+        let mut free = self.free[free_stripe()].lock();
+        self.wslot(tail).next.store(*free, Relaxed);
+        *free = head;
     }
 
-    fn fresh_slot(&self, a: &mut Allocator) -> u32 {
+    fn fresh_slot(&self, a: &mut Arena) -> u32 {
         let id = a.high;
         assert!(id < NIL as usize, "trie slot ids exhausted");
         if id.is_multiple_of(SEG_SLOTS) {
@@ -877,9 +952,9 @@ impl PrefixTrie {
         id as u32
     }
 
-    fn add_segment(&self, a: &mut Allocator, seg: usize) {
+    fn add_segment(&self, a: &mut Arena, seg: usize) {
         let cur = self.dir.load(Relaxed);
-        // SAFETY: only the allocator (under its lock) replaces the directory; `cur` is live.
+        // SAFETY: only the arena (under its lock) replaces the directory; `cur` is live.
         let cur_ref = unsafe { &*cur };
         if seg >= cur_ref.segs.len() {
             let grown = Dir::with_len((cur_ref.segs.len() * 2).max(seg + 1));
@@ -905,7 +980,7 @@ impl PrefixTrie {
             + a.dir_len * std::mem::size_of::<AtomicPtr<Segment>>()
             + a.retired_bytes
             + a.retired.capacity() * std::mem::size_of::<*mut Dir>();
-        self.stats.mem.store(mem, Relaxed);
+        self.mem.store(mem, Relaxed);
     }
 
     fn slot_at(&self, id: u32) -> (&Meta, &Label) {
@@ -918,22 +993,22 @@ impl PrefixTrie {
 
     /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
     pub fn node_count(&self) -> usize {
-        self.stats.nodes.load(Relaxed)
+        self.writer.stats.nodes.load(Relaxed)
     }
 
     /// Bytes of edge labels stored (= distinct non-empty prefixes of the stored prompts).
     pub fn byte_count(&self) -> usize {
-        self.stats.bytes.load(Relaxed)
+        self.writer.stats.bytes.load(Relaxed)
     }
 
     /// Distinct prompts stored.
     pub fn prompt_count(&self) -> usize {
-        self.stats.prompts.load(Relaxed)
+        self.writer.stats.prompts.load(Relaxed)
     }
 
     /// Prompts pruned by the node cap since creation.
     pub fn evictions(&self) -> u64 {
-        self.stats.evictions.load(Relaxed)
+        self.writer.stats.evictions.load(Relaxed)
     }
 
     /// Current node ceiling.
@@ -950,7 +1025,7 @@ impl PrefixTrie {
 
     /// Heap bytes held by the trie (segments, directories, writer bookkeeping).
     pub fn memory_bytes(&self) -> usize {
-        self.stats.mem.load(Relaxed)
+        self.mem.load(Relaxed)
     }
 
     /// Before taking the writer lock: touch the cold lines the locked section is about to use
@@ -960,13 +1035,13 @@ impl PrefixTrie {
     /// itself and never affects correctness.
     fn warm(&self, new_slots: usize) {
         let dir = self.dir();
-        if self.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
+        if self.writer.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
             return;
         }
         // Visit about as many nodes as the insert will need freed, plus slack for prompts
         // whose eviction frees nothing (their path is shared with a newer prompt).
         let mut budget = 2 * new_slots + WARM_SLACK;
-        let mut victim = self.stats.lru_head.load(Relaxed);
+        let mut victim = self.writer.stats.lru_head.load(Relaxed);
         while budget > 0 {
             let Some(vw) = dir.ws(victim) else {
                 return;
@@ -1085,7 +1160,7 @@ impl PrefixTrie {
 
 impl Drop for PrefixTrie {
     fn drop(&mut self) {
-        let a = self.alloc.0.get_mut();
+        let a = self.arena.0.get_mut();
         let dir = *self.dir.get_mut();
         // SAFETY: `&mut self`: no readers or writers remain. Every segment pointer in the
         // current directory was allocated in `add_segment` and appears once there
@@ -1108,9 +1183,9 @@ impl Drop for PrefixTrie {
 /// The writer's view: the trie plus its locked bookkeeping.
 struct Ctx<'a> {
     t: &'a PrefixTrie,
-    w: &'a mut Writer,
-    /// Slots freed by this critical section, handed to the allocator after it ends (kept out
-    /// of `Writer` so the mutex and its data share one cache line).
+    /// The writer's state, loaded when the lock was taken; `publish` stores it back.
+    w: Writer,
+    /// Slots freed by this critical section, handed to the allocator after it ends.
     d: Deferred,
 }
 
@@ -1169,14 +1244,16 @@ impl<'a> Ctx<'a> {
         store_label(self.slot(id).1, bytes);
     }
 
-    /// Publish the counters for lock-free getters.
+    /// Store the writer's state back (on the lock's cache line) for lock-free getters and the
+    /// next critical section.
     fn publish(&mut self) {
-        let st = &self.t.stats;
+        let st = &self.t.writer.stats;
         st.nodes.store(self.w.nodes, Relaxed);
         st.bytes.store(self.w.bytes, Relaxed);
         st.prompts.store(self.w.prompts, Relaxed);
         st.evictions.store(self.w.evictions, Relaxed);
         st.lru_head.store(self.w.lru_head, Relaxed);
+        st.lru_tail.store(self.w.lru_tail, Relaxed);
     }
 
     // ---- slots -------------------------------------------------------------------------
@@ -1681,10 +1758,10 @@ impl PrefixTrie {
     /// least recently inserted first.
     fn check(&self) -> Vec<Vec<u8>> {
         use std::collections::{HashMap, HashSet};
-        let mut g = self.lock_writer();
+        let _g = self.lock_writer();
         let cx = Ctx {
             t: self,
-            w: &mut g,
+            w: self.load_writer(),
             d: DEFERRED_NONE,
         };
         let k = self.k;
@@ -1760,18 +1837,16 @@ impl PrefixTrie {
         assert_eq!(nodes, cx.w.nodes, "node count");
         assert_eq!(bytes, cx.w.bytes, "byte count");
         assert_eq!(terminals, cx.w.prompts, "prompt count");
-        let a = self.alloc.lock();
         let mut free = 0;
-        for &top in &a.free {
-            let mut f = top;
+        for stack in &self.free {
+            let mut f = *stack.lock();
             while f != NIL {
                 assert!(!seen.contains(&f), "free slot {f} reachable");
                 free += 1;
                 f = cx.ws(f).next.load(Relaxed);
             }
         }
-        assert_eq!(free + seen.len(), a.high, "slots leaked");
-        drop(a);
+        assert_eq!(free + seen.len(), self.arena.lock().high, "slots leaked");
         let mut out = Vec::new();
         let (mut cur, mut prev) = (cx.w.lru_head, NIL);
         while cur != NIL {
@@ -2332,6 +2407,39 @@ mod tests {
                 assert_eq!(t.match_len(&p), p.len());
             }
         }
+    }
+
+    #[test]
+    fn free_stacks_shared_and_stolen_concurrently_never_leak_or_double_hand_out() {
+        // More threads than stripes (two share each stack) and uneven prompt lengths, so stacks
+        // run dry and threads steal from each other's while those push: `check` finds every
+        // slot either reachable or free exactly once, and the arena stays near the cap (freed
+        // slots are reused before it grows).
+        const THREADS: u64 = 2 * FREE_STRIPES as u64;
+        let cap = 200;
+        let t = Arc::new(PrefixTrie::with_label_bytes(cap, 4));
+        let handles: Vec<_> = (0..THREADS)
+            .map(|th| {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    for i in 0..1500u64 {
+                        let len = if th % 2 == 0 { 40 } else { (i % 7) as usize };
+                        t.insert(&prompt(th * 1_000_000 + i, b"sys:", len));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        t.check();
+        // Each thread holds at most one unlinked chain (<= 12 slots here, plus a split and a
+        // block) and one eviction's freed slots between the lock and the hand-back.
+        let high = t.arena.lock().high;
+        assert!(
+            high <= cap + 1 + THREADS as usize * 64,
+            "arena grew to {high}"
+        );
     }
 
     #[test]
