@@ -212,11 +212,13 @@ reuse() { # port -> "reused% (new/total)"
     cc=$(echo "${CPU[rolter-ca/$size]}" | median)
     dp99=$(for v in ${P99[direct/$size]}; do echo "$v" | to_ms; echo; done | median)
     cp99=$(for v in ${P99[rolter-ca/$size]}; do echo "$v" | to_ms; echo; done | median)
+    rp99=$(for v in ${P99[rolter-rr/$size]}; do echo "$v" | to_ms; echo; done | median)
+    np99=$(for v in ${P99[nginx/$size]}; do echo "$v" | to_ms; echo; done | median)
     echo
-    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" 'BEGIN {
+    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" -v rp="$rp99" -v np="$np99" 'BEGIN {
       printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f\n", rr / n, ca / n;
       printf "- CPU per request c/b = %.2f, d/b = %.2f\n", rc / nc, cc / nc;
-      printf "- p99 added over direct by cache_aware: %.3f ms\n", cp - dp }'
+      printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms)\n", cp - dp, rp - dp, np - dp }'
     echo
   done
   echo "Upstream connection reuse (whole run): round_robin $(reuse $RR_PORT); cache_aware $(reuse $CA_PORT)."
