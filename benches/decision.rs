@@ -65,7 +65,7 @@ fn decision(c: &mut Criterion) {
                     ..Default::default()
                 };
                 let d = strategy.select(&input, &view).expect("a target");
-                strategy.record(&input, &view, d.target);
+                strategy.record(&input, &view, &d);
                 black_box(d)
             })
         });

@@ -6,4 +6,4 @@ pub mod residency;
 pub mod trie;
 
 pub use residency::ResidencyIndex;
-pub use trie::PrefixTrie;
+pub use trie::{MatchHint, PrefixTrie};

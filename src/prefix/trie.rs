@@ -341,13 +341,37 @@ struct Chain {
 }
 
 /// Where a walk stopped: `pos` bytes matched, the last `off` of them inside `node`'s label.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Walk {
     pos: usize,
     node: u32,
     ver: u32,
     off: usize,
     len: usize,
+}
+
+/// Where a `match_hinted` walk stopped (see `PrefixTrie::insert_hinted`). Tied to the trie
+/// and the exact prompt slice it was computed for; opaque to callers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MatchHint {
+    trie: usize,
+    prompt: (usize, usize),
+    walk: Walk,
+}
+
+impl MatchHint {
+    fn new(trie: &PrefixTrie, prompt: &[u8], walk: Walk) -> Self {
+        MatchHint {
+            trie: trie as *const PrefixTrie as usize,
+            prompt: (prompt.as_ptr() as usize, prompt.len()),
+            walk,
+        }
+    }
+
+    fn is_for(&self, trie: &PrefixTrie, prompt: &[u8]) -> bool {
+        self.trie == trie as *const PrefixTrie as usize
+            && self.prompt == (prompt.as_ptr() as usize, prompt.len())
+    }
 }
 
 /// Node-capped, LRU-by-insertion radix trie of prompt bytes; `Send + Sync`, lock-free reads.
@@ -698,25 +722,43 @@ impl PrefixTrie {
 
     /// Length of the longest common prefix of `prompt` with any stored prompt.
     pub fn match_len(&self, prompt: &[u8]) -> usize {
+        self.match_hinted(prompt).0
+    }
+
+    /// `match_len`, plus where the walk stopped, so that inserting the same prompt into this
+    /// trie later (`insert_hinted`, e.g. after the request was answered) can skip its own walk
+    /// when nothing on that spot changed meanwhile.
+    pub fn match_hinted(&self, prompt: &[u8]) -> (usize, Option<MatchHint>) {
         if prompt.is_empty() {
-            return 0;
+            return (0, None);
         }
         for _ in 0..OPTIMISTIC_ATTEMPTS {
             if let Some(w) = self.walk(prompt) {
-                return w.pos;
+                return (w.pos, Some(MatchHint::new(self, prompt, w)));
             }
         }
         let _g = self.lock_writer();
-        self.walk(prompt).map_or(0, |w| w.pos)
+        self.walk(prompt).map_or((0, None), |w| (w.pos, None))
     }
 
     /// Store `prompt` (or refresh it if stored), then prune least-recently-inserted prompts
     /// until the node count is within the cap.
     pub fn insert(&self, prompt: &[u8]) {
+        self.insert_hinted(prompt, None)
+    }
+
+    /// `insert`, starting from `hint` (from `match_hinted` on this trie with this very
+    /// slice) instead of walking again. A hint for another trie or another slice is ignored;
+    /// a stale one costs nothing but the walk it was meant to save, because the writer
+    /// re-walks whenever the node the walk stopped at changed version since.
+    pub fn insert_hinted(&self, prompt: &[u8], hint: Option<MatchHint>) {
         let cap = self.max_nodes();
+        let full = prompt;
         let prompt = &prompt[..prompt.len().min(cap.saturating_mul(self.k))];
-        let mut seen = None;
-        if !prompt.is_empty() {
+        let mut seen = hint
+            .filter(|h| prompt.len() == full.len() && h.is_for(self, full))
+            .map(|h| h.walk);
+        if !prompt.is_empty() && seen.is_none() {
             for _ in 0..OPTIMISTIC_ATTEMPTS {
                 seen = self.walk(prompt);
                 if seen.is_some() {
@@ -2197,6 +2239,11 @@ mod tests {
         Reinsert(usize),
         Match(Vec<u8>),
         SetCap(usize),
+        /// Like `Extend`, but inserted through `insert_hinted` with the hint of a
+        /// `match_hinted` taken first; if the second part is set, a prompt that shares a
+        /// prefix of it (cut at `.0`, then `.1`) is inserted in between, so the hint is often
+        /// stale (the node it names split, extended or evicted).
+        Hinted(usize, usize, Vec<u8>, Option<(usize, Vec<u8>)>),
     }
 
     fn op(alpha: &'static [u8], max_len: usize, max_cap: usize) -> impl Strategy<Value = Op> {
@@ -2207,6 +2254,8 @@ mod tests {
             3 => any::<usize>().prop_map(Op::Reinsert),
             3 => s().prop_map(Op::Match),
             1 => (0..=max_cap).prop_map(Op::SetCap),
+            4 => (any::<usize>(), any::<usize>(), s(), prop::option::of((any::<usize>(), s())))
+                .prop_map(|(i, l, x, q)| Op::Hinted(i, l, x, q)),
         ]
     }
 
@@ -2252,11 +2301,58 @@ mod tests {
                     t.set_max_nodes(c);
                     m.set_cap(c);
                 }
+                Op::Hinted(i, l, x, between) => {
+                    let mut p = history
+                        .get(i % history.len().max(1))
+                        .cloned()
+                        .unwrap_or_default();
+                    p.truncate(l % (p.len() + 1));
+                    p.extend_from_slice(&x);
+                    let (n, hint) = t.match_hinted(&p);
+                    assert_eq!(n, t.match_len(&p));
+                    if let Some((cut, y)) = between {
+                        let mut q = p[..cut % (p.len() + 1)].to_vec();
+                        q.extend_from_slice(&y);
+                        t.insert(&q);
+                        m.insert(&q);
+                        history.push(q);
+                    }
+                    t.insert_hinted(&p, hint);
+                    m.insert(&p);
+                    history.push(p);
+                }
             }
             let mut all = probes.clone();
             all.extend(history.iter().cloned());
             assert_agrees(&t, &m, &all);
         }
+    }
+
+    #[test]
+    fn a_hint_for_another_trie_or_another_slice_is_ignored() {
+        let a = PrefixTrie::with_label_bytes(100, 4);
+        let b = PrefixTrie::with_label_bytes(100, 4);
+        a.insert(b"hello world");
+        b.insert(b"goodbye");
+        let p = b"hello there".to_vec();
+        let (n, hint) = a.match_hinted(&p);
+        assert_eq!(n, 6);
+        // The hint names a node of `a`; used on `b`, it must not be followed.
+        b.insert_hinted(&p, hint);
+        assert_eq!(b.match_len(&p), p.len());
+        assert_eq!(b.match_len(b"goodbye"), 7);
+        assert_eq!(b.prompt_count(), 2);
+        // Same trie, another slice (same length, other bytes): walked afresh.
+        let q = b"hello thyme".to_vec();
+        a.insert_hinted(&q, hint);
+        assert_eq!(a.match_len(&q), q.len());
+        assert_eq!(a.match_len(&p), 8);
+        assert_eq!(a.match_len(b"hello world"), 11);
+        // The right slice: stored as by `insert`.
+        let (_, hint) = a.match_hinted(&p);
+        a.insert_hinted(&p, hint);
+        assert_eq!(a.match_len(&p), p.len());
+        assert_eq!(a.prompt_count(), 3);
     }
 
     proptest! {

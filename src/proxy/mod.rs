@@ -232,7 +232,7 @@ impl Gateway {
             }
             let record = |status: u16| {
                 if (200..300).contains(&status) {
-                    route.strategy.record(input, &view, decision.target);
+                    route.strategy.record(input, &view, &decision);
                 }
             };
             let exchange =

@@ -27,6 +27,7 @@ impl Strategy for RoundRobin {
             target,
             reason: Reason::RoundRobin,
             score: None,
+            hint: None,
         })
     }
 }
@@ -45,6 +46,7 @@ impl Strategy for LeastLoad {
             target,
             reason: Reason::LeastLoad,
             score: None,
+            hint: None,
         })
     }
 }

@@ -20,6 +20,7 @@
 //! inserted into the winner's trie ([`Strategy::record`]).
 
 use super::{pick_random, Decision, FleetView, Reason, RouteInput, Strategy};
+use crate::prefix::MatchHint;
 
 /// Default minimum prefix score to pin a request to its best-matching target (SPEC §4).
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
@@ -82,11 +83,19 @@ pub fn prefix_scores<'a>(
     prompt: &'a [u8],
     fleet: &'a FleetView<'a>,
 ) -> impl Iterator<Item = (usize, f64)> + 'a {
+    prefix_scores_hinted(prompt, fleet).map(|(i, score, _)| (i, score))
+}
+
+/// `prefix_scores` with each target's trie walk result, for `PrefixTrie::insert_hinted`.
+pub fn prefix_scores_hinted<'a>(
+    prompt: &'a [u8],
+    fleet: &'a FleetView<'a>,
+) -> impl Iterator<Item = (usize, f64, Option<MatchHint>)> + 'a {
     fleet.eligible().map(move |i| {
-        let matched = fleet.candidates[i]
+        let (matched, hint) = fleet.candidates[i]
             .prefix
-            .map_or(0, |t| t.match_len(prompt));
-        (i, matched as f64 / prompt.len().max(1) as f64)
+            .map_or((0, None), |t| t.match_hinted(prompt));
+        (i, matched as f64 / prompt.len().max(1) as f64, hint)
     })
 }
 
@@ -154,9 +163,18 @@ impl Strategy for CacheAware {
                 target,
                 reason: Reason::Fallback,
                 score: None,
+                hint: None,
             });
         }
-        let scored: Vec<(usize, f64)> = prefix_scores(input.prompt, fleet).collect();
+        let mut hints = Vec::with_capacity(fleet.candidates.len());
+        let scored: Vec<(usize, f64)> = prefix_scores_hinted(input.prompt, fleet)
+            .map(|(i, score, hint)| {
+                hints.push((i, hint));
+                (i, score)
+            })
+            .collect();
+        // The chosen target's walk, handed to `record` so its insert starts where it stopped.
+        let hint_for = |target: usize| hints.iter().find(|&&(i, _)| i == target)?.1;
         let best_score = scored
             .iter()
             .map(|&(_, s)| s)
@@ -169,6 +187,7 @@ impl Strategy for CacheAware {
                     target: best,
                     reason: Reason::CacheHit,
                     score: Some(best_score),
+                    hint: hint_for(best),
                 });
             }
             let (target, score) = overflow_target(fleet, &scored, self.threshold)?;
@@ -176,19 +195,22 @@ impl Strategy for CacheAware {
                 target,
                 reason: Reason::Overloaded,
                 score: Some(score),
+                hint: hint_for(target),
             });
         }
         // Cold (or only trivially shared, e.g. the chat template) prompts spread the cache.
+        let target = least_loaded_then_coldest(fleet)?;
         Some(Decision {
-            target: least_loaded_then_coldest(fleet)?,
+            target,
             reason: Reason::BelowThreshold,
             score: Some(best_score),
+            hint: hint_for(target),
         })
     }
 
-    fn record(&self, input: &RouteInput, fleet: &FleetView, target: usize) {
-        if let Some(trie) = fleet.candidates.get(target).and_then(|c| c.prefix) {
-            trie.insert(input.prompt);
+    fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
+        if let Some(trie) = fleet.candidates.get(decision.target).and_then(|c| c.prefix) {
+            trie.insert_hinted(input.prompt, decision.hint);
         }
     }
 }
@@ -456,7 +478,7 @@ mod tests {
             let c = fleet(&t, &load, &[true; 4]);
             let view = FleetView::new(&c);
             let d = cs.select(&input(prompt.as_bytes()), &view).unwrap();
-            cs.record(&input(prompt.as_bytes()), &view, d.target);
+            cs.record(&input(prompt.as_bytes()), &view, &d);
             load[d.target] += 1;
             home.push(d.target);
         }

@@ -64,6 +64,7 @@ impl Strategy for LmcacheAware {
                 target,
                 reason,
                 score: None,
+                hint: None,
             })
         };
         let (sum, fresh) = fleet
@@ -97,6 +98,7 @@ impl Strategy for LmcacheAware {
             target: winner,
             reason: Reason::CacheCapacity,
             score: None,
+            hint: None,
         })
     }
 }

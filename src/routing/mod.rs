@@ -147,6 +147,8 @@ pub struct Decision {
     pub reason: Reason,
     /// Prefix match score of the chosen target in `[0, 1]`, for strategies that score.
     pub score: Option<f64>,
+    /// Where the chosen target's trie walk stopped, so `record` need not walk it again.
+    pub hint: Option<crate::prefix::MatchHint>,
 }
 
 /// A target-selection policy for one route.
@@ -157,8 +159,8 @@ pub trait Strategy: Send + Sync {
     /// Pick an eligible target, or `None` if there is none.
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
 
-    /// Learn from a request that `target` accepted (default: nothing to learn).
-    fn record(&self, _input: &RouteInput, _fleet: &FleetView, _target: usize) {}
+    /// Learn from a request that `decision.target` accepted (default: nothing to learn).
+    fn record(&self, _input: &RouteInput, _fleet: &FleetView, _decision: &Decision) {}
 }
 
 /// Build the strategy a route asks for; `sessions` is the route's (reload-surviving)

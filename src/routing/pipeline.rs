@@ -83,6 +83,7 @@ impl Strategy for Pipeline {
                 target,
                 reason: Reason::Affinity,
                 score: None,
+                hint: None,
             });
         }
         let max_load = fleet
@@ -116,10 +117,12 @@ impl Strategy for Pipeline {
             target,
             reason: Reason::Scored,
             score: prefix,
+            hint: None,
         })
     }
 
-    fn record(&self, input: &RouteInput, fleet: &FleetView, target: usize) {
+    fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
+        let target = decision.target;
         let Some(c) = fleet.candidates.get(target) else {
             return;
         };
@@ -238,13 +241,23 @@ mod tests {
         assert!(d.score.unwrap() > 0.5);
     }
 
+    /// A decision for `target`, as `record` receives it.
+    fn chose(target: usize) -> Decision {
+        Decision {
+            target,
+            reason: Reason::Scored,
+            score: None,
+            hint: None,
+        }
+    }
+
     #[test]
     fn affinity_holds_within_ttl_and_breaks_after_it_or_when_ineligible() {
         let t = tries(3);
         let p = pipeline();
         let all = fleet(&t, &[0, 0, 0], &[1, 1, 1], &[true; 3]);
         let view = FleetView::new(&all);
-        p.record(&input(b"x", Some("s1"), 0), &view, 2);
+        p.record(&input(b"x", Some("s1"), 0), &view, &chose(2));
         for now in [1, 5_000, 9_999] {
             let d = p
                 .select(&input(b"anything", Some("s1"), now), &view)
@@ -256,7 +269,7 @@ mod tests {
             .unwrap();
         assert_eq!(d.reason, Reason::Scored, "TTL of 10 s passed");
 
-        p.record(&input(b"x", Some("s2"), 0), &view, 1);
+        p.record(&input(b"x", Some("s2"), 0), &view, &chose(1));
         let sick = fleet(&t, &[0, 0, 0], &[1, 1, 1], &[true, false, true]);
         let d = p
             .select(&input(b"x", Some("s2"), 1), &FleetView::new(&sick))
@@ -264,17 +277,13 @@ mod tests {
         assert_eq!(d.reason, Reason::Scored);
         assert_ne!(d.target, 1);
         // The session moves with the new choice.
-        p.record(
-            &input(b"x", Some("s2"), 1),
-            &FleetView::new(&sick),
-            d.target,
-        );
+        p.record(&input(b"x", Some("s2"), 1), &FleetView::new(&sick), &d);
         let d2 = p.select(&input(b"x", Some("s2"), 2), &view).unwrap();
         assert_eq!((d2.target, d2.reason), (d.target, Reason::Affinity));
 
         // An overloaded pinned target loses the session too.
         let busy = fleet(&t, &[0, 0, 9], &[1, 1, 1], &[true; 3]);
-        p.record(&input(b"x", Some("s3"), 0), &view, 2);
+        p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
             .select(&input(b"x", Some("s3"), 1), &FleetView::new(&busy))
             .unwrap();

@@ -83,6 +83,7 @@ impl Strategy for PreciseCacheAware {
                 target,
                 reason: Reason::Fallback,
                 score: None,
+                hint: None,
             })
         };
         let Some(tokens) = input.token_ids.filter(|t| !t.is_empty()) else {
@@ -97,6 +98,7 @@ impl Strategy for PreciseCacheAware {
                 target,
                 reason: Reason::BelowThreshold,
                 score: Some(0.0),
+                hint: None,
             });
         }
         let top = pick_random(scores.iter().filter(|s| s.1 == best).map(|s| s.0))?;
@@ -113,10 +115,12 @@ impl Strategy for PreciseCacheAware {
             target,
             reason,
             score: Some(best),
+            hint: None,
         })
     }
 
-    fn record(&self, input: &RouteInput, fleet: &FleetView, target: usize) {
+    fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
+        let target = decision.target;
         // A request with more full blocks than the replica holds makes it store some:
         // events must follow, or the stream is stale (`StreamState::note_routed`).
         let (Some(tokens), Some(c)) = (input.token_ids, fleet.candidates.get(target)) else {
