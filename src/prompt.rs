@@ -89,42 +89,6 @@ enum Content<'a> {
     Parts(Vec<Part<'a>>),
 }
 
-/// By hand rather than `#[serde(untagged)]`: an untagged enum first buffers the value into
-/// serde's private `Content` tree (copying every string) and then tries each variant; this
-/// looks at the JSON type once and borrows the text (the largest single item under
-/// callgrind, loadtest/profile.sh).
-impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
-            type Value = Content<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("'content' as a string or an array of content parts")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v)))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(2).min(64));
-                while let Some(part) = seq.next_element()? {
-                    parts.push(part);
-                }
-                Ok(Content::Parts(parts))
-            }
-        }
-        d.deserialize_any(Visit(std::marker::PhantomData))
-    }
-}
-
 #[derive(Deserialize)]
 struct Part<'a> {
     #[serde(rename = "type", borrow)]
@@ -167,9 +131,6 @@ enum PromptField<'a> {
     TokenBatch(Vec<Vec<u32>>),
 }
 
-/// One JSON string, borrowed from the body when it has no escape sequence.
-struct Text<'a>(Cow<'a, str>);
-
 /// A member of a completion `prompt` array; the first one decides the array's kind.
 enum Member<'a> {
     Id(u32),
@@ -177,109 +138,135 @@ enum Member<'a> {
     Ids(Vec<u32>),
 }
 
-/// Visitor behind `Text` and `Member` (and `Content`'s string case).
-struct StrOr<'a, T>(std::marker::PhantomData<(&'a (), T)>);
+/// One JSON string, borrowed from the body when it has no escape sequence.
+struct Text<'a>(Cow<'a, str>);
 
-impl<'de: 'a, 'a> serde::de::Visitor<'de> for StrOr<'a, Text<'a>> {
-    type Value = Text<'a>;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a string")
+/// The request values that are "a string or ..." (`content`, `prompt` and its members),
+/// deserialised by hand rather than with `#[serde(untagged)]`: an untagged enum first
+/// buffers the value into serde's private `Content` tree (copying every string) and then
+/// tries each variant; this looks at the JSON type once and borrows the text from the body
+/// (message text was the largest item under callgrind, loadtest/profile.sh).
+trait JsonShape<'a>: Sized {
+    /// What the value may be, for error messages.
+    const EXPECTING: &'static str;
+    /// From a string.
+    fn text(t: Cow<'a, str>) -> Self;
+    /// From an unsigned integer (default: not accepted).
+    fn id<E: serde::de::Error>(v: u64) -> Result<Self, E> {
+        Err(E::invalid_type(
+            serde::de::Unexpected::Unsigned(v),
+            &Self::EXPECTING,
+        ))
     }
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Text(Cow::Borrowed(v)))
-    }
-    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Text(Cow::Owned(v.to_owned())))
-    }
-    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Text(Cow::Owned(v)))
+    /// From an array (default: not accepted).
+    fn seq<'de: 'a, A: serde::de::SeqAccess<'de>>(_seq: A) -> Result<Self, A::Error> {
+        Err(serde::de::Error::invalid_type(
+            serde::de::Unexpected::Seq,
+            &Self::EXPECTING,
+        ))
     }
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_str(StrOr::<Text>(std::marker::PhantomData))
+struct ShapeVisitor<'a, T>(std::marker::PhantomData<(&'a (), T)>);
+
+impl<'de: 'a, 'a, T: JsonShape<'a>> serde::de::Visitor<'de> for ShapeVisitor<'a, T> {
+    type Value = T;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(T::EXPECTING)
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<T, E> {
+        Ok(T::text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<T, E> {
+        Ok(T::text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<T, E> {
+        Ok(T::text(Cow::Owned(v)))
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<T, E> {
+        T::id(v)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
+        T::seq(seq)
     }
 }
 
-impl<'de: 'a, 'a> serde::de::Visitor<'de> for StrOr<'a, Member<'a>> {
-    type Value = Member<'a>;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a token id, a string or an array of token ids")
+/// `Deserialize` for `JsonShape` types.
+macro_rules! deserialize_shape {
+    ($($ty:ident),*) => {$(
+        impl<'de: 'a, 'a> Deserialize<'de> for $ty<'a> {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_any(ShapeVisitor(std::marker::PhantomData))
+            }
+        }
+    )*};
+}
+deserialize_shape!(Content, PromptField, Member, Text);
+
+/// All elements of an array, given its first.
+fn collect_rest<'de, A: serde::de::SeqAccess<'de>, T: Deserialize<'de>>(
+    mut seq: A,
+    first: Option<T>,
+) -> Result<Vec<T>, A::Error> {
+    let mut all = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(1 << 16) + 1);
+    all.extend(first);
+    while let Some(x) = seq.next_element()? {
+        all.push(x);
     }
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+    Ok(all)
+}
+
+impl<'a> JsonShape<'a> for Text<'a> {
+    const EXPECTING: &'static str = "a string";
+    fn text(t: Cow<'a, str>) -> Self {
+        Text(t)
+    }
+}
+
+impl<'a> JsonShape<'a> for Content<'a> {
+    const EXPECTING: &'static str = "'content' as a string or an array of content parts";
+    fn text(t: Cow<'a, str>) -> Self {
+        Content::Text(t)
+    }
+    fn seq<'de: 'a, A: serde::de::SeqAccess<'de>>(seq: A) -> Result<Self, A::Error> {
+        collect_rest(seq, None).map(Content::Parts)
+    }
+}
+
+impl<'a> JsonShape<'a> for Member<'a> {
+    const EXPECTING: &'static str = "a token id, a string or an array of token ids";
+    fn text(t: Cow<'a, str>) -> Self {
+        Member::Text(t)
+    }
+    fn id<E: serde::de::Error>(v: u64) -> Result<Self, E> {
         u32::try_from(v)
             .map(Member::Id)
             .map_err(|_| E::custom(format!("token id {v} out of range")))
     }
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Member::Text(Cow::Borrowed(v)))
-    }
-    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Member::Text(Cow::Owned(v.to_owned())))
-    }
-    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Member::Text(Cow::Owned(v)))
-    }
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
-        while let Some(id) = seq.next_element()? {
-            ids.push(id);
-        }
-        Ok(Member::Ids(ids))
+    fn seq<'de: 'a, A: serde::de::SeqAccess<'de>>(seq: A) -> Result<Self, A::Error> {
+        collect_rest(seq, None).map(Member::Ids)
     }
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for Member<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(StrOr::<Member>(std::marker::PhantomData))
+/// A string, or an array whose first member fixes its kind (ids, strings or id arrays);
+/// `[]` is an empty id list.
+impl<'a> JsonShape<'a> for PromptField<'a> {
+    const EXPECTING: &'static str = "'prompt' as a string, an array of strings, or token ids";
+    fn text(t: Cow<'a, str>) -> Self {
+        PromptField::Text(t)
     }
-}
-
-/// By hand rather than `#[serde(untagged)]` (see `Content`): a string, or an array whose
-/// first member fixes its kind (ids, strings or id arrays); `[]` is an empty id list.
-impl<'de: 'a, 'a> Deserialize<'de> for PromptField<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
-            type Value = PromptField<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("'prompt' as a string, an array of strings, or token ids")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(PromptField::Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(PromptField::Text(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-                Ok(PromptField::Text(Cow::Owned(v)))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Self::Value, A::Error> {
-                fn rest<'de, A: serde::de::SeqAccess<'de>, T: Deserialize<'de>>(
-                    mut seq: A,
-                    first: T,
-                ) -> Result<Vec<T>, A::Error> {
-                    let mut all = vec![first];
-                    while let Some(x) = seq.next_element()? {
-                        all.push(x);
-                    }
-                    Ok(all)
-                }
-                Ok(match seq.next_element::<Member>()? {
-                    None => PromptField::Tokens(Vec::new()),
-                    Some(Member::Id(id)) => PromptField::Tokens(rest(seq, id)?),
-                    Some(Member::Text(t)) => PromptField::TextBatch(
-                        rest(seq, Text(t))?.into_iter().map(|t| t.0).collect(),
-                    ),
-                    Some(Member::Ids(ids)) => PromptField::TokenBatch(rest(seq, ids)?),
-                })
-            }
-        }
-        d.deserialize_any(Visit(std::marker::PhantomData))
+    fn seq<'de: 'a, A: serde::de::SeqAccess<'de>>(mut seq: A) -> Result<Self, A::Error> {
+        Ok(match seq.next_element::<Member>()? {
+            None => PromptField::Tokens(Vec::new()),
+            Some(Member::Id(id)) => PromptField::Tokens(collect_rest(seq, Some(id))?),
+            Some(Member::Text(t)) => PromptField::TextBatch(
+                collect_rest(seq, Some(Text(t)))?
+                    .into_iter()
+                    .map(|t| t.0)
+                    .collect(),
+            ),
+            Some(Member::Ids(ids)) => PromptField::TokenBatch(collect_rest(seq, Some(ids))?),
+        })
     }
 }
 
