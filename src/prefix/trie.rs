@@ -2259,6 +2259,17 @@ mod tests {
         ]
     }
 
+    /// A stored (or once stored) prompt cut at `l` and extended with `x`: shares a prefix.
+    fn derived(history: &[Vec<u8>], i: usize, l: usize, x: &[u8]) -> Vec<u8> {
+        let mut p = history
+            .get(i % history.len().max(1))
+            .cloned()
+            .unwrap_or_default();
+        p.truncate(l % (p.len() + 1));
+        p.extend_from_slice(x);
+        p
+    }
+
     fn run(k: usize, cap: usize, ops: Vec<Op>) {
         let t = PrefixTrie::with_label_bytes(cap, k);
         let mut m = Model::new(cap, k);
@@ -2272,12 +2283,7 @@ mod tests {
                     history.push(p);
                 }
                 Op::Extend(i, l, x) => {
-                    let mut p = history
-                        .get(i % history.len().max(1))
-                        .cloned()
-                        .unwrap_or_default();
-                    p.truncate(l % (p.len() + 1));
-                    p.extend_from_slice(&x);
+                    let p = derived(&history, i, l, &x);
                     let before: Vec<(Vec<u8>, usize)> =
                         m.live.iter().map(|s| (s.clone(), t.match_len(s))).collect();
                     t.insert(&p);
@@ -2302,12 +2308,7 @@ mod tests {
                     m.set_cap(c);
                 }
                 Op::Hinted(i, l, x, between) => {
-                    let mut p = history
-                        .get(i % history.len().max(1))
-                        .cloned()
-                        .unwrap_or_default();
-                    p.truncate(l % (p.len() + 1));
-                    p.extend_from_slice(&x);
+                    let p = derived(&history, i, l, &x);
                     let (n, hint) = t.match_hinted(&p);
                     assert_eq!(n, t.match_len(&p));
                     if let Some((cut, y)) = between {
