@@ -58,6 +58,12 @@ pub struct Metrics {
     pub lmcache_polls: IntCounterVec,
 }
 
+/// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
+/// `reused as usize`, resolved once (one is bumped per proxied request).
+pub static UPSTREAM_CONNECTIONS: LazyLock<[prometheus::IntCounter; 2]> = LazyLock::new(|| {
+    ["false", "true"].map(|r| METRICS.upstream_connections.with_label_values(&[r]))
+});
+
 /// The process-wide metrics.
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
     requests: register_int_counter_vec!(

@@ -97,6 +97,10 @@ pub struct TargetState {
     label: String,
     inflight: AtomicU64,
     inflight_gauge: IntGauge,
+    /// This target's series of the upstream histograms, resolved once (a label lookup per
+    /// request hashes the label and takes the vector's lock).
+    ttfb: prometheus::Histogram,
+    latency: prometheus::Histogram,
     health: Arc<ProviderHealth>,
     /// Passive health (cooldown, circuit).
     pub breaker: Breaker,
@@ -110,6 +114,8 @@ impl TargetState {
         let inflight_gauge = METRICS.inflight.with_label_values(&[&label]);
         inflight_gauge.set(0);
         TargetState {
+            ttfb: METRICS.upstream_ttfb.with_label_values(&[&label]),
+            latency: METRICS.upstream_latency.with_label_values(&[&label]),
             key,
             label,
             inflight: AtomicU64::new(0),
@@ -128,6 +134,12 @@ impl TargetState {
     /// `provider/model`.
     pub fn label(&self) -> &str {
         &self.label
+    }
+
+    /// Record one answered exchange: time to the response header and to its last byte.
+    pub fn observe_upstream(&self, ttfb: std::time::Duration, total: std::time::Duration) {
+        self.ttfb.observe(ttfb.as_secs_f64());
+        self.latency.observe(total.as_secs_f64());
     }
 
     /// Requests in flight right now.

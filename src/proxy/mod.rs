@@ -133,15 +133,18 @@ impl Gateway {
         })?;
         ctx.route = Some(route.alias.clone());
         ctx.strategy = route.strategy.name();
-        let token_ids = session
-            .req_header()
-            .headers
-            .get(TOKEN_IDS_HEADER)
+        let headers = &session.req_header().headers;
+        let token_ids = route
+            .strategy
+            .uses_token_ids()
+            .then(|| headers.get(TOKEN_IDS_HEADER))
+            .flatten()
             .and_then(|v| prompt::parse_token_ids(v.as_bytes()));
-        let session_id = session
-            .req_header()
-            .headers
-            .get(SESSION_ID_HEADER)
+        let session_id = route
+            .strategy
+            .uses_session_id()
+            .then(|| headers.get(SESSION_ID_HEADER))
+            .flatten()
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let input = RouteInput {
@@ -268,14 +271,9 @@ impl Gateway {
             match result {
                 Ok(outcome) => {
                     ctx.status = outcome.status;
-                    METRICS
-                        .upstream_ttfb
-                        .with_label_values(&[target.state.label()])
-                        .observe(outcome.ttfb.as_secs_f64());
-                    METRICS
-                        .upstream_latency
-                        .with_label_values(&[target.state.label()])
-                        .observe(started.elapsed().as_secs_f64());
+                    target
+                        .state
+                        .observe_upstream(outcome.ttfb, started.elapsed());
                     return Ok(());
                 }
                 Err(ExchangeError::Retryable(e)) => {
@@ -439,12 +437,14 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) {
         let req = session.req_header();
+        // The status's own text (`StatusCode::as_str`): no per-request string.
+        let status = http::StatusCode::from_u16(ctx.status).ok();
         METRICS
             .requests
             .with_label_values(&[
                 ctx.route.as_deref().unwrap_or("-"),
                 ctx.target.as_deref().unwrap_or("-"),
-                &ctx.status.to_string(),
+                status.as_ref().map_or("0", |s| s.as_str()),
             ])
             .inc();
         if !log::log_enabled!(target: "access", log::Level::Info) {

@@ -147,10 +147,7 @@ pub async fn exchange(
             reason: "pooled connections kept failing".into(),
         })
     })?;
-    crate::metrics::METRICS
-        .upstream_connections
-        .with_label_values(&[if reused { "true" } else { "false" }])
-        .inc();
+    crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
 
     // Skip informational (1xx) responses; vLLM does not send them but others may.
     loop {

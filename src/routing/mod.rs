@@ -159,6 +159,18 @@ pub trait Strategy: Send + Sync {
     /// Pick an eligible target, or `None` if there is none.
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
 
+    /// Whether `select`/`record` read `RouteInput::token_ids` (else the gateway does not
+    /// parse the header).
+    fn uses_token_ids(&self) -> bool {
+        false
+    }
+
+    /// Whether `select`/`record` read `RouteInput::session_id` (else the gateway does not
+    /// look the header up).
+    fn uses_session_id(&self) -> bool {
+        false
+    }
+
     /// Learn from a request that `decision.target` accepted (default: nothing to learn).
     fn record(&self, _input: &RouteInput, _fleet: &FleetView, _decision: &Decision) {}
 }

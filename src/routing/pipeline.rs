@@ -121,6 +121,10 @@ impl Strategy for Pipeline {
         })
     }
 
+    fn uses_session_id(&self) -> bool {
+        true
+    }
+
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
         let target = decision.target;
         let Some(c) = fleet.candidates.get(target) else {

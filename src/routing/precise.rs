@@ -119,6 +119,10 @@ impl Strategy for PreciseCacheAware {
         })
     }
 
+    fn uses_token_ids(&self) -> bool {
+        true
+    }
+
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
         let target = decision.target;
         // A request with more full blocks than the replica holds makes it store some:
