@@ -24,7 +24,11 @@ pub async fn read_body(
             .await
             .map_err(|e| GatewayError::ClientGone(e.to_string()))?;
     }
-    let mut buf = BytesMut::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
+    // The body usually arrives as one chunk: keep it as it is and start copying only when a
+    // second one comes.
+    let mut first: Option<Bytes> = None;
+    let mut buf: Option<BytesMut> = None;
+    let mut total = 0usize;
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
@@ -37,12 +41,25 @@ pub async fn read_body(
             Ok(Ok(None)) => break,
             Ok(Ok(Some(chunk))) => chunk,
         };
-        if buf.len() + chunk.len() > limit {
+        total += chunk.len();
+        if total > limit {
             return Err(GatewayError::PayloadTooLarge { limit });
         }
-        buf.extend_from_slice(&chunk);
+        match (&mut buf, first.take()) {
+            (Some(b), _) => b.extend_from_slice(&chunk),
+            (None, None) => first = Some(chunk),
+            (None, Some(head)) => {
+                let mut b = BytesMut::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
+                b.extend_from_slice(&head);
+                b.extend_from_slice(&chunk);
+                buf = Some(b);
+            }
+        }
     }
-    Ok(buf.freeze())
+    Ok(match buf {
+        Some(b) => b.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 fn content_length(session: &Session) -> Result<Option<usize>, GatewayError> {
