@@ -296,3 +296,83 @@ async fn unreachable_upstream_gives_502_and_slow_upstream_gives_504() {
         Some(0.0)
     );
 }
+
+/// Read one HTTP/1.1 request (head, then a `content-length` body) from `sock`; `None` at EOF.
+async fn read_one_request(sock: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+            if buf.len() >= end + 4 + len {
+                buf.drain(..end + 4 + len);
+                return Some(());
+            }
+        }
+        let mut chunk = [0u8; 8192];
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// An upstream whose idle timeout expired closes a kept-alive connection without answering
+/// the request that arrives on it; the gateway must retry that request on another
+/// connection instead of answering 502 (pingora-proxy does the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_closed_unanswered_is_retried_on_a_fresh_one() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (answered, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (a, d) = (answered.clone(), dropped.clone());
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let (a, d) = (a.clone(), d.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if read_one_request(&mut sock, &mut buf).await.is_none() {
+                    return;
+                }
+                let body = r#"{"id":"x","object":"chat.completion","choices":[]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                sock.write_all(answer.as_bytes()).await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                // The next request on this connection is read, then the connection closed.
+                if read_one_request(&mut sock, &mut buf).await.is_some() {
+                    d.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    let routes = format!(
+        "[[providers]]\nname = \"p0\"\nkind = \"openai_compatible\"\napi_base = \"http://{addr}\"\n\
+         [providers.health]\nenabled = false\n\n\
+         [[routes]]\nmodel = \"alias\"\nstrategy = \"round_robin\"\n\
+         [[routes.targets]]\nprovider = \"p0\"\nmodel = \"m\"\n"
+    );
+    let gw = Gateway::start(&routes).await;
+    for i in 0..4 {
+        let (status, _, body) =
+            post_chat(&gw, chat_body("alias", &format!("question {i}"), false)).await;
+        assert_eq!(status, 200, "request {i}: {body}");
+    }
+    assert_eq!(answered.load(Ordering::SeqCst), 4);
+    assert!(
+        dropped.load(Ordering::SeqCst) >= 1,
+        "no request reached a pooled connection, so the retry path was not exercised"
+    );
+    server.abort();
+}

@@ -351,10 +351,12 @@ struct Walk {
 }
 
 /// Where a `match_hinted` walk stopped (see `PrefixTrie::insert_hinted`). Tied to the trie
-/// and the exact prompt slice it was computed for; opaque to callers.
+/// (by a process-unique id, so a hint outliving its trie never matches another one) and to
+/// the prompt slice it was computed for (by address and length: the caller must not change
+/// those bytes in between); opaque to callers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MatchHint {
-    trie: usize,
+    trie: u64,
     prompt: (usize, usize),
     walk: Walk,
 }
@@ -362,15 +364,14 @@ pub struct MatchHint {
 impl MatchHint {
     fn new(trie: &PrefixTrie, prompt: &[u8], walk: Walk) -> Self {
         MatchHint {
-            trie: trie as *const PrefixTrie as usize,
+            trie: trie.id,
             prompt: (prompt.as_ptr() as usize, prompt.len()),
             walk,
         }
     }
 
     fn is_for(&self, trie: &PrefixTrie, prompt: &[u8]) -> bool {
-        self.trie == trie as *const PrefixTrie as usize
-            && self.prompt == (prompt.as_ptr() as usize, prompt.len())
+        self.trie == trie.id && self.prompt == (prompt.as_ptr() as usize, prompt.len())
     }
 }
 
@@ -381,6 +382,8 @@ pub struct PrefixTrie {
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
+    /// Process-unique, for `MatchHint`.
+    id: u64,
     /// The writer lock and the state it guards, on one cache line: each write moves just that
     /// line between cores. Getters read the state lock-free.
     writer: Padded<WriterLine>,
@@ -710,6 +713,10 @@ impl PrefixTrie {
             })),
             k,
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
+            id: {
+                static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+                NEXT_ID.fetch_add(1, Relaxed)
+            },
             mem: AtomicUsize::new(0),
         };
         let root = t.take_slots(1);

@@ -12,7 +12,7 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
-use pingora::{Error, ErrorType};
+use pingora::{Error, ErrorType, RetryType};
 use std::io::Write as _;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -86,7 +86,9 @@ pub fn encode_request(
     let body_len = crate::prompt::rewritten_len(body.len(), &model_span, upstream_model);
     let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
     for (name, value) in client.headers.iter() {
-        head_len += name.as_str().len() + value.len() + 4;
+        if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
+            head_len += name.as_str().len() + value.len() + 4;
+        }
     }
     let mut out = Vec::with_capacity(head_len + body_len);
     let mut put = |parts: &[&[u8]]| parts.iter().for_each(|p| out.extend_from_slice(p));
@@ -120,45 +122,45 @@ pub async fn exchange(
     started: Instant,
     on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
-    // A pooled connection can die between uses; such a failure before the response
-    // started gets one more try on a fresh connection to the same target.
-    let mut http = None;
-    let mut reused = false;
+    // A pooled connection can die between uses (the upstream closed it while idle): a write
+    // that fails on one, or a response that never starts on one (closed or reset before a
+    // byte came back: pingora marks that `ReusedOnly`, and pingora-proxy retries it the same
+    // way), gets one more try on another connection to the same target. A request the
+    // upstream closed an idle connection on was never read, so it cannot have acted on it.
+    let mut attempt = None;
     for _ in 0..2 {
-        let (mut s, r) = connector
+        let (mut s, reused) = connector
             .get_http_session(up.peer)
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         s.read_timeout = up.peer.options.read_timeout;
         s.write_timeout = up.peer.options.write_timeout;
-        match send_request(s, up.peer, request).await {
-            Ok(s) => {
-                http = Some(s);
-                reused = r;
+        let mut s = match send_request(s, up.peer, request).await {
+            Ok(s) => s,
+            Err(e) if reused => {
+                log::debug!("stale pooled connection to {}: {e}", up.label);
+                continue;
+            }
+            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
+        };
+        match read_response_head(&mut s).await {
+            Ok(()) => {
+                attempt = Some((s, reused));
                 break;
             }
-            Err(e) if r => log::debug!("stale pooled connection to {}: {e}", up.label),
+            Err(e) if reused && matches!(e.retry, RetryType::ReusedOnly) => {
+                log::debug!("pooled connection to {} closed unanswered: {e}", up.label);
+            }
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
         }
     }
-    let mut http = http.ok_or_else(|| {
+    let (mut http, reused) = attempt.ok_or_else(|| {
         ExchangeError::Final(GatewayError::UpstreamBroken {
             target: up.label.to_string(),
             reason: "pooled connections kept failing".into(),
         })
     })?;
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
-
-    // Skip informational (1xx) responses; vLLM does not send them but others may.
-    loop {
-        http.read_response()
-            .await
-            .map_err(|e| ExchangeError::Final(upstream_error(up.label, &e)))?;
-        let status = http.get_status().map_or(0, |s| s.as_u16());
-        if !(100..200).contains(&status) || status == 101 {
-            break;
-        }
-    }
     let ttfb = started.elapsed();
     let upstream_header = http.resp_header().expect("response header was just read");
     let status = upstream_header.status.as_u16();
@@ -195,6 +197,18 @@ pub async fn exchange(
         ttfb,
         reused,
     })
+}
+
+/// Read the response head, skipping informational (1xx) responses (vLLM sends none, others
+/// may); 101 is final.
+async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
+    loop {
+        s.read_response().await?;
+        let status = s.get_status().map_or(0, |s| s.as_u16());
+        if !(100..200).contains(&status) || status == 101 {
+            return Ok(());
+        }
+    }
 }
 
 /// Write the encoded request on a pooled or fresh connection and hand back a client
@@ -244,7 +258,9 @@ fn downstream_response(up: &ResponseHeader) -> pingora::Result<ResponseHeader> {
     }
     let framed = h.headers.contains_key(http::header::CONTENT_LENGTH)
         || h.headers.contains_key(http::header::TRANSFER_ENCODING);
-    if !framed {
+    // 1xx, 204 and 304 have no body by definition (and may not carry transfer-encoding).
+    let bodiless = matches!(h.status.as_u16(), 100..=199 | 204 | 304);
+    if !framed && !bodiless {
         // A close-delimited upstream body is re-framed as chunked for the client.
         h.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
     }
@@ -368,5 +384,10 @@ mod tests {
         let h = downstream_response(&up).unwrap();
         assert_eq!(h.headers["content-length"], "2");
         assert!(h.headers.get("transfer-encoding").is_none());
+        // No body by definition: never re-framed.
+        for status in [204, 304] {
+            let h = downstream_response(&ResponseHeader::build(status, None).unwrap()).unwrap();
+            assert!(h.headers.get("transfer-encoding").is_none(), "{status}");
+        }
     }
 }
