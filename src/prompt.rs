@@ -302,46 +302,29 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, P
 
 /// The body with its `model` value replaced by `upstream_model`; every other byte kept.
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, upstream_model: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + upstream_model.len() + 2);
-    rewrite_model_into(&mut out, body, span, upstream_model);
+    let quoted = quote_model(upstream_model);
+    let mut out = Vec::with_capacity(body.len() - span.len() + quoted.len());
+    rewrite_model_into(&mut out, body, span, &quoted);
     out
 }
 
-/// Append `body` with its `model` value replaced by `upstream_model` to `out` (so a caller
-/// can put the body straight after the request head it already wrote there).
+/// `upstream_model` as the JSON string literal that replaces a body's `model` value
+/// (computed once per target when the routing file loads).
+pub fn quote_model(upstream_model: &str) -> String {
+    serde_json::to_string(upstream_model).expect("a string always serialises")
+}
+
+/// Append `body` with its `model` value replaced by `quoted_model` (from [`quote_model`]) to
+/// `out`, so a caller can put the body straight after the request head it wrote there.
 pub fn rewrite_model_into(
     out: &mut Vec<u8>,
     body: &[u8],
     span: std::ops::Range<usize>,
-    upstream_model: &str,
+    quoted_model: &str,
 ) {
     out.extend_from_slice(&body[..span.start]);
-    serde_json::to_writer(&mut *out, upstream_model).expect("a string always serialises");
+    out.extend_from_slice(quoted_model.as_bytes());
     out.extend_from_slice(&body[span.end..]);
-}
-
-/// Length of `rewrite_model`'s output, without building it.
-pub fn rewritten_len(
-    body_len: usize,
-    span: &std::ops::Range<usize>,
-    upstream_model: &str,
-) -> usize {
-    let mut quoted = Counter(0);
-    serde_json::to_writer(&mut quoted, upstream_model).expect("a string always serialises");
-    body_len - span.len() + quoted.0
-}
-
-/// A writer that only counts bytes.
-struct Counter(usize);
-
-impl std::io::Write for Counter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0 += buf.len();
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 /// Parse `x-rolter-vllm-token-ids` (comma-separated u32). `None` if absent-equivalent

@@ -59,8 +59,8 @@ pub struct RouteTarget {
     pub host: String,
     /// Path prefix from `api_base` ("" if none), prepended to the request path.
     pub base_path: String,
-    /// Model name sent upstream.
-    pub upstream_model: String,
+    /// Model name sent upstream, as a JSON string literal (`prompt::quote_model`).
+    pub upstream_model_json: String,
     /// Configured weight.
     pub weight: u32,
     /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
@@ -289,7 +289,7 @@ impl RouteTable {
                         peer: make_peer(up.addr, &timeouts),
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
-                        upstream_model: t.model.clone(),
+                        upstream_model_json: crate::prompt::quote_model(&t.model),
                         weight: t.weight,
                         lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
                         kv: kv

@@ -220,7 +220,7 @@ impl Gateway {
                 &target.base_path,
                 body,
                 parsed.model_span.clone(),
-                &target.upstream_model,
+                &target.upstream_model_json,
             );
             let up = Upstream {
                 peer: &target.peer,

@@ -69,7 +69,7 @@ pub struct Upstream<'a> {
 /// write (one TCP segment on loopback instead of a head segment and a body segment): the
 /// client's method and path under `base_path`, its end-to-end headers, `host` and a
 /// `content-length` for `body` with its `model` value (at `model_span`) replaced by
-/// `upstream_model`.
+/// `quoted_model` (the upstream model as a JSON string, `prompt::quote_model`).
 ///
 /// Every piece comes from an already validated source: the method, URI and header
 /// names/values were parsed by pingora (an `http` type holds no CR, LF or NUL, and a
@@ -80,10 +80,10 @@ pub fn encode_request(
     base_path: &str,
     body: &[u8],
     model_span: std::ops::Range<usize>,
-    upstream_model: &str,
+    quoted_model: &str,
 ) -> Vec<u8> {
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let body_len = crate::prompt::rewritten_len(body.len(), &model_span, upstream_model);
+    let body_len = body.len() - model_span.len() + quoted_model.len();
     let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
     for (name, value) in client.headers.iter() {
         if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
@@ -107,7 +107,7 @@ pub fn encode_request(
     put(&[b"host: ", host.as_bytes(), b"\r\ncontent-length: "]);
     write!(out, "{body_len}\r\n\r\n").expect("writing to a Vec cannot fail");
     let head = out.len();
-    crate::prompt::rewrite_model_into(&mut out, body, model_span, upstream_model);
+    crate::prompt::rewrite_model_into(&mut out, body, model_span, quoted_model);
     debug_assert_eq!(out.len() - head, body_len);
     out
 }
@@ -323,7 +323,8 @@ mod tests {
         let body = br#"{"model":"alias","messages":[]}"#;
         let span = 9..16;
         assert_eq!(&body[span.clone()], br#""alias""#);
-        let out = encode_request(&client, "10.0.0.7:8000", "/base", body, span, "org/m \"q\"");
+        let quoted = crate::prompt::quote_model("org/m \"q\"");
+        let out = encode_request(&client, "10.0.0.7:8000", "/base", body, span, &quoted);
 
         let mut headers = [httparse::EMPTY_HEADER; 16];
         let mut req = httparse::Request::new(&mut headers);
