@@ -179,31 +179,27 @@ impl Strategy for CacheAware {
             .iter()
             .map(|&(_, s)| s)
             .fold(f64::NEG_INFINITY, f64::max);
-        if best_score >= self.threshold {
+        let (target, reason, score) = if best_score < self.threshold {
+            // Cold (or only trivially shared, e.g. the chat template) prompts spread the cache.
+            (
+                least_loaded_then_coldest(fleet)?,
+                Reason::BelowThreshold,
+                best_score,
+            )
+        } else {
             // Among targets sharing the best score, the least loaded (then at random).
             let best = least_loaded_of(fleet, scored.iter().filter(|&&(_, s)| s == best_score))?;
-            if !overloaded(fleet.candidates[best].inflight, min) {
-                return Some(Decision {
-                    target: best,
-                    reason: Reason::CacheHit,
-                    score: Some(best_score),
-                    hint: hint_for(best),
-                });
+            if overloaded(fleet.candidates[best].inflight, min) {
+                let (target, score) = overflow_target(fleet, &scored, self.threshold)?;
+                (target, Reason::Overloaded, score)
+            } else {
+                (best, Reason::CacheHit, best_score)
             }
-            let (target, score) = overflow_target(fleet, &scored, self.threshold)?;
-            return Some(Decision {
-                target,
-                reason: Reason::Overloaded,
-                score: Some(score),
-                hint: hint_for(target),
-            });
-        }
-        // Cold (or only trivially shared, e.g. the chat template) prompts spread the cache.
-        let target = least_loaded_then_coldest(fleet)?;
+        };
         Some(Decision {
             target,
-            reason: Reason::BelowThreshold,
-            score: Some(best_score),
+            reason,
+            score: Some(score),
             hint: hint_for(target),
         })
     }
