@@ -1,7 +1,8 @@
 //! The HTTP front: a pingora `ProxyHttp` whose `request_filter` answers every request.
 //!
 //! Owns: endpoint dispatch, request body buffering, error responses (via [`error`]), the
-//! model rewrite, and forwarding over pingora-core's pooled connector (via [`upstream`]).
+//! model rewrite, and forwarding over pooled upstream connections (via [`upstream`] and
+//! [`pool`]).
 //! Must not: contain routing policy (that is `routing`, called through the route's
 //! `Strategy`) or parse config.
 //!
@@ -10,8 +11,8 @@
 //! read in `request_filter`. Pingora 0.9.1 re-sends a body consumed there only through
 //! its 64 KiB retry buffer; a larger body is silently dropped and the upstream waits
 //! forever. LLM prompts routinely exceed 64 KiB. Of the two options inside pingora's
-//! public API we chose to forward ourselves with `pingora::connectors::http::v1::Connector`
-//! (the same pooled connector pingora's proxy loop uses) rather than the subrequest
+//! public API we chose to forward ourselves (connections from pingora-core's
+//! `TransportConnector`, kept idle by [`pool`]) rather than the subrequest
 //! API: one code path for every body size up to `limits.max_body_bytes`, exact control
 //! of *when* a failure happened (which decides whether a retry is safe), the in-flight
 //! slot held by an RAII guard for exactly the life of the exchange, and TTFB measured
@@ -23,6 +24,7 @@
 pub mod admission;
 pub mod body;
 pub mod error;
+pub mod pool;
 pub mod upstream;
 
 use crate::fleet::breaker::Outcome;
@@ -35,8 +37,6 @@ use admission::Admission;
 use async_trait::async_trait;
 use bytes::Bytes;
 use error::GatewayError;
-use pingora::connectors::http::v1::Connector;
-use pingora::connectors::ConnectorOptions;
 use pingora::http::ResponseHeader;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::ServerConf;
@@ -72,7 +72,7 @@ pub struct RequestCtx {
 /// The gateway application.
 pub struct Gateway {
     runtime: Arc<Runtime>,
-    connector: Connector,
+    pool: pool::UpstreamPool,
     admission: Admission,
 }
 
@@ -81,7 +81,7 @@ impl Gateway {
     pub fn new(runtime: Arc<Runtime>, conf: &ServerConf) -> Self {
         Gateway {
             runtime,
-            connector: Connector::new(Some(ConnectorOptions::from_server_conf(conf))),
+            pool: pool::UpstreamPool::new(conf),
             admission: Admission::new(),
         }
     }
@@ -238,8 +238,7 @@ impl Gateway {
                     route.strategy.record(input, &view, &decision);
                 }
             };
-            let exchange =
-                upstream::exchange(&self.connector, &up, session, &request, started, record);
+            let exchange = upstream::exchange(&self.pool, &up, session, &request, started, record);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {
@@ -368,6 +367,11 @@ async fn respond(
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
+
+    /// No downstream modules: pingora's default registers a (disabled) response
+    /// compression module whose context is built and consulted on every request; the
+    /// gateway relays upstream bodies as they are.
+    fn init_downstream_modules(&self, _modules: &mut pingora::modules::http::HttpModules) {}
 
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {

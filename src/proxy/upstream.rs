@@ -1,5 +1,6 @@
-//! One upstream exchange over pingora-core's pooled HTTP/1 connector: send the rewritten
-//! request, relay the response header and stream the body to the client chunk by chunk.
+//! One upstream exchange over a pooled HTTP/1 connection ([`super::pool`]): send the
+//! rewritten request, relay the response header and stream the body to the client chunk by
+//! chunk.
 //!
 //! Failures are classified by *when* they happened, because that decides what may be
 //! retried: before any request byte reached the upstream (connect failure, or a pooled
@@ -7,9 +8,10 @@
 //! nothing can be retried or replaced.
 
 use super::error::GatewayError;
-use pingora::connectors::http::v1::Connector;
+use super::pool::UpstreamPool;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
+use pingora::protocols::Stream;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType, RetryType};
@@ -115,7 +117,7 @@ pub fn encode_request(
 /// Send `req` + `body` to the upstream and relay its response to `session`.
 /// `on_response` runs once the upstream's response header is in, before it is relayed.
 pub async fn exchange(
-    connector: &Connector,
+    pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     request: &[u8],
@@ -129,13 +131,11 @@ pub async fn exchange(
     // upstream closed an idle connection on was never read, so it cannot have acted on it.
     let mut attempt = None;
     for _ in 0..2 {
-        let (mut s, reused) = connector
-            .get_http_session(up.peer)
+        let (stream, reused) = pool
+            .get(up.peer, up.idle_timeout)
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
-        s.read_timeout = up.peer.options.read_timeout;
-        s.write_timeout = up.peer.options.write_timeout;
-        let mut s = match send_request(s, up.peer, request).await {
+        let mut s = match send_request(stream, up.peer, request).await {
             Ok(s) => s,
             Err(e) if reused => {
                 log::debug!("stale pooled connection to {}: {e}", up.label);
@@ -189,9 +189,12 @@ pub async fn exchange(
         .write_response_body(None, true)
         .await
         .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
-    connector
-        .release_http_session(http, up.peer, Some(up.idle_timeout))
-        .await;
+    // pingora's keep-alive rules (response version and `connection` header, a body read to
+    // its end with nothing extra, no upgrade) decide whether the connection goes back.
+    http.respect_keepalive();
+    if let Some(stream) = http.reuse().await {
+        pool.put(up.peer, stream, up.idle_timeout);
+    }
     Ok(ExchangeOutcome {
         status,
         ttfb,
@@ -215,12 +218,11 @@ async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
 /// session ready to read the response (a fresh `HttpSession` over the same stream: the
 /// request bytes bypassed pingora's header writer, which flushes the head on its own).
 async fn send_request(
-    s: HttpSession,
+    mut stream: Stream,
     peer: &HttpPeer,
     request: &[u8],
 ) -> pingora::Result<HttpSession> {
-    let (read_timeout, write_timeout) = (s.read_timeout, s.write_timeout);
-    let mut stream = s.into_inner();
+    let (read_timeout, write_timeout) = (peer.options.read_timeout, peer.options.write_timeout);
     let write = async {
         stream.write_all(request).await?;
         stream.flush().await

@@ -1,0 +1,294 @@
+//! Idle upstream connections, kept per upstream address for reuse.
+//!
+//! Owns: the idle stacks, the "is it still usable" test on reuse, the idle timeout and the
+//! background sweep that closes connections an idle upstream dropped. New connections are
+//! made by pingora-core's `TransportConnector` (connect timeout, socket options, bind
+//! addresses from the server conf). Must not: read or write HTTP (that is [`super::upstream`]),
+//! or know about routes and targets beyond the peer address it is handed.
+//!
+//! ## Why not pingora's connection pool
+//! pingora-core's pool (`TransportConnector::release_stream` / `reused_stream`) spawns a
+//! tokio task per released connection to watch it while idle, wraps every connection in an
+//! `Arc<Mutex<_>>`, hashes the whole peer twice per request, keeps a global LRU behind a
+//! mutex, and calls `getpeername` on every reuse. Under `loadtest/overhead.sh` that was
+//! about 10% of the gateway's user-space instructions per request (callgrind,
+//! `loadtest/profile.sh`) and the largest piece of it we control. Here a release is a push
+//! onto the address's stack and a reuse a pop plus the same non-blocking one-byte read
+//! pingora does to reject a connection the upstream closed; one task per gateway sweeps
+//! stacks nobody touched for a while, so an upstream that closed its idle connections does
+//! not leave them half-open here (what pingora's per-connection watcher was for).
+//!
+//! The stacks are LIFO so the hottest connections are reused and the coldest age out at the
+//! bottom, where puts and sweeps trim them. Each stack is its own short mutex (push/pop of
+//! a pointer-sized entry): striped by upstream, never held across an await.
+
+use dashmap::DashMap;
+use parking_lot::Mutex;
+use pingora::connectors::{ConnectorOptions, TransportConnector};
+use pingora::protocols::Stream;
+use pingora::server::configuration::ServerConf;
+use pingora::upstreams::peer::HttpPeer;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+
+/// How often the sweeper looks for stacks no request touched lately.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Idle connections to every upstream, and the connector for new ones.
+pub struct UpstreamPool {
+    connector: TransportConnector,
+    stacks: Arc<DashMap<SocketAddr, Arc<IdleStack>>>,
+    /// Most idle connections kept per upstream address.
+    per_address: usize,
+    /// The idle timeout last asked for, in ms, for the sweeper (routing files can change it).
+    idle_timeout_ms: Arc<AtomicU64>,
+    sweeper: std::sync::Once,
+}
+
+#[derive(Default)]
+struct IdleStack {
+    conns: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    stream: Stream,
+    since: Instant,
+}
+
+impl UpstreamPool {
+    /// A pool holding up to pingora's `upstream_keepalive_pool_size` idle connections per
+    /// upstream address, connecting with the server conf's connector options.
+    pub fn new(conf: &ServerConf) -> Self {
+        Self::with_capacity(
+            ConnectorOptions::from_server_conf(conf),
+            conf.upstream_keepalive_pool_size,
+        )
+    }
+
+    fn with_capacity(options: ConnectorOptions, per_address: usize) -> Self {
+        UpstreamPool {
+            connector: TransportConnector::new(Some(options)),
+            stacks: Arc::default(),
+            per_address,
+            idle_timeout_ms: Arc::new(AtomicU64::new(0)),
+            sweeper: std::sync::Once::new(),
+        }
+    }
+
+    /// A connection to `peer`: the most recently released one that is still open and was
+    /// idle less than `idle_timeout`, else a new one. The flag says whether it was reused.
+    pub async fn get(
+        &self,
+        peer: &HttpPeer,
+        idle_timeout: Duration,
+    ) -> pingora::Result<(Stream, bool)> {
+        if let Some(stack) = self.stack(peer) {
+            let now = Instant::now();
+            loop {
+                let Some(mut idle) = stack.conns.lock().pop() else {
+                    break;
+                };
+                if now.duration_since(idle.since) < idle_timeout && still_open(&mut idle.stream) {
+                    return Ok((idle.stream, true));
+                }
+            }
+        }
+        Ok((self.connector.new_stream(peer).await?, false))
+    }
+
+    /// Keep `stream` (whose last exchange ended cleanly) for the next request to `peer`.
+    pub fn put(&self, peer: &HttpPeer, stream: Stream, idle_timeout: Duration) {
+        if self.per_address == 0 || idle_timeout.is_zero() {
+            return;
+        }
+        self.idle_timeout_ms
+            .store(idle_timeout.as_millis() as u64, Ordering::Relaxed);
+        self.start_sweeper();
+        let Some(stack) = self.stack(peer) else {
+            return;
+        };
+        let now = Instant::now();
+        let mut conns = stack.conns.lock();
+        // The bottom of the stack is the longest idle: expired ones go, and a full stack
+        // makes room by dropping its coldest connection.
+        let expired = conns
+            .iter()
+            .take_while(|c| now.duration_since(c.since) >= idle_timeout)
+            .count();
+        let overflow = (conns.len() - expired + 1).saturating_sub(self.per_address);
+        let gone: Vec<Idle> = conns.drain(..expired + overflow).collect();
+        conns.push(Idle { stream, since: now });
+        drop(conns);
+        drop(gone); // closed outside the lock
+    }
+
+    /// Idle connections currently kept for `addr` (tests and debugging).
+    pub fn idle_count(&self, addr: SocketAddr) -> usize {
+        self.stacks
+            .get(&addr)
+            .map_or(0, |s| s.value().conns.lock().len())
+    }
+
+    fn stack(&self, peer: &HttpPeer) -> Option<Arc<IdleStack>> {
+        let addr = *peer._address.as_inet()?;
+        if let Some(s) = self.stacks.get(&addr) {
+            return Some(s.value().clone());
+        }
+        Some(self.stacks.entry(addr).or_default().value().clone())
+    }
+
+    /// Start the sweep task on the runtime that serves requests (first put only).
+    fn start_sweeper(&self) {
+        self.sweeper.call_once(|| {
+            let stacks = Arc::downgrade(&self.stacks);
+            let timeout = self.idle_timeout_ms.clone();
+            tokio::spawn(sweep_forever(stacks, timeout));
+        });
+    }
+}
+
+/// Every [`SWEEP_EVERY`], close connections idle past the timeout or closed by their
+/// upstream; ends when the pool is dropped.
+async fn sweep_forever(stacks: Weak<DashMap<SocketAddr, Arc<IdleStack>>>, timeout: Arc<AtomicU64>) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(stacks) = stacks.upgrade() else {
+            return;
+        };
+        let idle_timeout = Duration::from_millis(timeout.load(Ordering::Relaxed));
+        let all: Vec<Arc<IdleStack>> = stacks.iter().map(|s| s.value().clone()).collect();
+        drop(stacks);
+        for stack in all {
+            sweep(&stack, idle_timeout, Instant::now());
+        }
+    }
+}
+
+fn sweep(stack: &IdleStack, idle_timeout: Duration, now: Instant) {
+    let mut gone = Vec::new();
+    {
+        let mut conns = stack.conns.lock();
+        let mut i = 0;
+        while i < conns.len() {
+            let c = &mut conns[i];
+            if now.duration_since(c.since) >= idle_timeout || !still_open(&mut c.stream) {
+                gone.push(conns.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+    drop(gone); // closed outside the lock
+}
+
+/// Whether an idle connection can carry another request: nothing to read yet. A read that
+/// completes at once means the upstream closed it (0 bytes), reset it, or sent bytes
+/// nobody asked for; pingora's `test_reusable_stream` applies the same rule. No syscall
+/// unless the socket was reported readable.
+fn still_open(stream: &mut Stream) -> bool {
+    let mut byte = [0u8; 1];
+    // Outside the task's cooperative budget (as pingora does): a spent budget would make
+    // the read pend and a dead connection look idle.
+    let read = std::pin::pin!(tokio::task::unconstrained(stream.read(&mut byte)));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    read.poll(&mut cx).is_pending()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    fn pool(per_address: usize) -> UpstreamPool {
+        UpstreamPool::with_capacity(ConnectorOptions::new(per_address), per_address)
+    }
+
+    async fn listener() -> (TcpListener, HttpPeer, SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        (l, HttpPeer::new(addr, false, String::new()), addr)
+    }
+
+    const LONG: Duration = Duration::from_secs(60);
+
+    #[tokio::test]
+    async fn a_released_connection_is_reused_and_a_second_caller_gets_a_new_one() {
+        let (l, peer, addr) = listener().await;
+        let p = pool(4);
+        let (s, reused) = p.get(&peer, LONG).await.unwrap();
+        assert!(!reused);
+        let (_server_side, _) = l.accept().await.unwrap();
+        p.put(&peer, s, LONG);
+        assert_eq!(p.idle_count(addr), 1);
+        let (s, reused) = p.get(&peer, LONG).await.unwrap();
+        assert!(reused, "the pooled connection should be handed out again");
+        assert_eq!(p.idle_count(addr), 0);
+        let (_s2, reused) = p.get(&peer, LONG).await.unwrap();
+        assert!(!reused, "the only pooled connection is in use");
+        drop(s);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closed_or_wrote_on_is_not_reused() {
+        let (l, peer, addr) = listener().await;
+        let p = pool(4);
+        let (a, _) = p.get(&peer, LONG).await.unwrap();
+        let (server_a, _) = l.accept().await.unwrap();
+        let (b, _) = p.get(&peer, LONG).await.unwrap();
+        let (mut server_b, _) = l.accept().await.unwrap();
+        p.put(&peer, a, LONG);
+        p.put(&peer, b, LONG);
+        drop(server_a);
+        server_b.write_all(b"unsolicited").await.unwrap();
+        // Let the reactor see the FIN and the bytes.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (_c, reused) = p.get(&peer, LONG).await.unwrap();
+        assert!(!reused, "both pooled connections were unusable");
+        assert_eq!(p.idle_count(addr), 0);
+    }
+
+    #[tokio::test]
+    async fn connections_idle_past_the_timeout_are_dropped_and_the_stack_is_capped() {
+        let (l, peer, addr) = listener().await;
+        let p = pool(2);
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(p.get(&peer, LONG).await.unwrap().0);
+            l.accept().await.unwrap();
+        }
+        for s in held {
+            p.put(&peer, s, LONG);
+        }
+        assert_eq!(p.idle_count(addr), 2, "the cap is per address");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let (_s, reused) = p.get(&peer, Duration::from_millis(10)).await.unwrap();
+        assert!(!reused, "every pooled connection was idle past the timeout");
+        assert_eq!(p.idle_count(addr), 0);
+    }
+
+    #[tokio::test]
+    async fn the_sweep_closes_connections_their_upstream_closed() {
+        let (l, peer, addr) = listener().await;
+        let p = pool(4);
+        let (a, _) = p.get(&peer, LONG).await.unwrap();
+        let (server_a, _) = l.accept().await.unwrap();
+        let (b, _) = p.get(&peer, LONG).await.unwrap();
+        let (_server_b, _) = l.accept().await.unwrap();
+        p.put(&peer, a, LONG);
+        p.put(&peer, b, LONG);
+        drop(server_a);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let stack = p.stack(&peer).unwrap();
+        sweep(&stack, LONG, Instant::now());
+        assert_eq!(p.idle_count(addr), 1, "only the closed connection goes");
+        sweep(&stack, Duration::ZERO, Instant::now());
+        assert_eq!(p.idle_count(addr), 0, "then everything past the timeout");
+    }
+}
