@@ -9,7 +9,8 @@ use prometheus::{
     register_int_gauge_vec, Encoder, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
     TextEncoder,
 };
-use std::sync::LazyLock;
+use prometheus::{Histogram, IntCounter};
+use std::sync::{LazyLock, OnceLock};
 
 /// All of rolter's metric handles.
 pub struct Metrics {
@@ -63,6 +64,69 @@ pub struct Metrics {
 pub static UPSTREAM_CONNECTIONS: LazyLock<[prometheus::IntCounter; 2]> = LazyLock::new(|| {
     ["false", "true"].map(|r| METRICS.upstream_connections.with_label_values(&[r]))
 });
+
+/// One route's series of the per-request metrics, each resolved on its first use (a label
+/// lookup hashes every label value and takes the vector's lock; a route's series are few
+/// and fixed). Series are created only when first bumped, as with a direct lookup.
+pub struct RouteMetrics {
+    route: String,
+    strategy: &'static str,
+    /// `rolter_routing_decisions_total`, by the decision reason's index.
+    decisions: Vec<OnceLock<IntCounter>>,
+    prefix_score: OnceLock<Histogram>,
+    /// `rolter_requests_total{status="200"}`, by target index.
+    answered_ok: Vec<OnceLock<IntCounter>>,
+}
+
+impl RouteMetrics {
+    /// Handles for `route` routed by `strategy` over `targets` targets, with `reasons`
+    /// possible decision reasons.
+    pub fn new(route: &str, strategy: &'static str, targets: usize, reasons: usize) -> Self {
+        RouteMetrics {
+            route: route.to_string(),
+            strategy,
+            decisions: (0..reasons).map(|_| OnceLock::new()).collect(),
+            prefix_score: OnceLock::new(),
+            answered_ok: (0..targets).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// Count one routing decision with reason number `index` (label `reason`).
+    pub fn decision(&self, index: usize, reason: &'static str) {
+        self.decisions[index]
+            .get_or_init(|| {
+                METRICS
+                    .decisions
+                    .with_label_values(&[self.strategy, reason])
+            })
+            .inc();
+    }
+
+    /// Record a decision's prefix score.
+    pub fn prefix_score(&self, score: f64) {
+        self.prefix_score
+            .get_or_init(|| METRICS.prefix_score.with_label_values(&[self.strategy]))
+            .observe(score);
+    }
+
+    /// Count one request answered by target number `index` (label `target`) with `status`.
+    pub fn answered(&self, index: usize, target: &str, status: http::StatusCode) {
+        if status == http::StatusCode::OK {
+            self.answered_ok[index]
+                .get_or_init(|| {
+                    METRICS
+                        .requests
+                        .with_label_values(&[&self.route, target, status.as_str()])
+                })
+                .inc();
+        } else {
+            METRICS
+                .requests
+                .with_label_values(&[&self.route, target, status.as_str()])
+                .inc();
+        }
+    }
+}
 
 /// The process-wide metrics.
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
@@ -317,4 +381,52 @@ pub fn render() -> Vec<u8> {
         .encode(&families, &mut out)
         .expect("text encoding to a Vec cannot fail");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_handles_bump_the_labelled_series() {
+        let m = RouteMetrics::new("rm-test-route", "cache_aware", 2, 3);
+        let ok = || {
+            METRICS
+                .requests
+                .with_label_values(&["rm-test-route", "p/t1", "200"])
+                .get()
+        };
+        let failed = || {
+            METRICS
+                .requests
+                .with_label_values(&["rm-test-route", "p/t1", "502"])
+                .get()
+        };
+        let (ok0, failed0) = (ok(), failed());
+        m.answered(1, "p/t1", http::StatusCode::OK);
+        m.answered(1, "p/t1", http::StatusCode::OK);
+        m.answered(1, "p/t1", http::StatusCode::BAD_GATEWAY);
+        assert_eq!((ok() - ok0, failed() - failed0), (2, 1));
+
+        let hits = || {
+            METRICS
+                .decisions
+                .with_label_values(&["cache_aware", "rm-test-reason"])
+                .get()
+        };
+        let hits0 = hits();
+        m.decision(2, "rm-test-reason");
+        m.decision(2, "rm-test-reason");
+        assert_eq!(hits() - hits0, 2);
+
+        let scores = || {
+            METRICS
+                .prefix_score
+                .with_label_values(&["cache_aware"])
+                .get_sample_count()
+        };
+        let scores0 = scores();
+        m.prefix_score(0.75);
+        assert_eq!(scores() - scores0, 1);
+    }
 }

@@ -104,6 +104,8 @@ pub struct Route {
     pub targets: Vec<RouteTarget>,
     /// Whole-exchange limit for this route, if any.
     pub total_timeout: Option<Duration>,
+    /// This route's per-request metric series, resolved once.
+    pub metrics: crate::metrics::RouteMetrics,
 }
 
 /// A provider as the health prober sees it.
@@ -261,7 +263,7 @@ impl RouteTable {
                 idle_ms: limits.upstream_idle_timeout_ms,
             };
             let total_ms = ms(r.timeouts.total_timeout_ms, limits.total_timeout_ms);
-            let targets = r
+            let targets: Vec<RouteTarget> = r
                 .targets
                 .iter()
                 .map(|t| {
@@ -299,12 +301,19 @@ impl RouteTable {
                     }
                 })
                 .collect();
+            let strategy = routing::build(
+                r,
+                registry.session_table(&r.model, r.session_ttl_s, r.session_cap),
+            );
             let route = Route {
                 alias: r.model.clone(),
-                strategy: routing::build(
-                    r,
-                    registry.session_table(&r.model, r.session_ttl_s, r.session_cap),
+                metrics: crate::metrics::RouteMetrics::new(
+                    &r.model,
+                    strategy.name(),
+                    targets.len(),
+                    routing::Reason::ALL.len(),
                 ),
+                strategy,
                 targets,
                 total_timeout: (total_ms > 0).then(|| Duration::from_millis(total_ms)),
             };

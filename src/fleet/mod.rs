@@ -25,7 +25,13 @@ static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
 
 /// Milliseconds on the process's monotonic clock (the breakers' time base).
 pub fn now_ms() -> u64 {
-    EPOCH.elapsed().as_millis() as u64
+    ms_at(Instant::now())
+}
+
+/// [`now_ms`] of an instant already read (the request path reads the clock once per step
+/// and derives both from it).
+pub fn ms_at(at: Instant) -> u64 {
+    at.saturating_duration_since(*EPOCH).as_millis() as u64
 }
 
 /// Active health of one provider (all its targets share it), fed by [`probe`].

@@ -28,7 +28,7 @@ pub mod pool;
 pub mod upstream;
 
 use crate::fleet::breaker::Outcome;
-use crate::fleet::now_ms;
+use crate::fleet::ms_at;
 use crate::metrics::METRICS;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
 use crate::routing::{Candidate, FleetView, KvView, RouteInput};
@@ -67,6 +67,8 @@ pub struct RequestCtx {
     attempts: usize,
     stream: bool,
     prompt_bytes: usize,
+    /// `rolter_requests_total` already bumped (through the route's resolved series).
+    counted: bool,
 }
 
 /// The gateway application.
@@ -147,13 +149,15 @@ impl Gateway {
             .flatten()
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        // One clock read serves the routing input and the first attempt.
+        let at = Instant::now();
         let input = RouteInput {
             prompt: &parsed.prompt,
             token_ids: token_ids.as_deref(),
             session_id: session_id.as_deref(),
-            now_ms: now_ms(),
+            now_ms: ms_at(at),
         };
-        self.forward(session, ctx, &table, route, &input, &body, &parsed)
+        self.forward(session, ctx, &table, route, &input, &body, &parsed, at)
             .await
     }
 
@@ -167,13 +171,15 @@ impl Gateway {
         input: &RouteInput<'_>,
         body: &Bytes,
         parsed: &prompt::ParsedRequest,
+        at: Instant,
     ) -> Result<(), GatewayError> {
         let mut excluded = Vec::new();
         let mut last_error = None;
+        // The clock as of the last step: read once per attempt, not per use.
+        let mut now_instant = at;
         // Each pass either makes an attempt or excludes a target, so this terminates.
         while ctx.attempts < MAX_ATTEMPTS && excluded.len() < route.targets.len() {
-            let now = now_ms();
-            let now_instant = Instant::now();
+            let now = ms_at(now_instant);
             let candidates: Vec<Candidate> = route
                 .targets
                 .iter()
@@ -208,12 +214,11 @@ impl Gateway {
             ctx.target = Some(target.state.label().to_string());
             ctx.reason = decision.reason.as_str();
             ctx.score = decision.score;
-            METRICS
-                .decisions
-                .with_label_values(&[route.strategy.name(), decision.reason.as_str()])
-                .inc();
+            route
+                .metrics
+                .decision(decision.reason as usize, decision.reason.as_str());
             let _slot = target.state.start_request();
-            let started = Instant::now();
+            let started = now_instant;
             let request = upstream::encode_request(
                 session.req_header(),
                 &target.host,
@@ -228,10 +233,7 @@ impl Gateway {
                 idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
             };
             if let Some(score) = decision.score {
-                METRICS
-                    .prefix_score
-                    .with_label_values(&[route.strategy.name()])
-                    .observe(score);
+                route.metrics.prefix_score(score);
             }
             let record = |status: u16| {
                 if (200..300).contains(&status) {
@@ -256,10 +258,15 @@ impl Gateway {
                 Err(ExchangeError::Final(GatewayError::ClientGone(_))) => Outcome::Abandoned,
                 Err(ExchangeError::Final(_)) => Outcome::Failure,
             };
-            if let Some(t) = target
-                .state
-                .breaker
-                .report(outcome, now_ms(), &table.breaker)
+            now_instant = match &result {
+                Ok(o) => o.finished,
+                Err(_) => Instant::now(),
+            };
+            if let Some(t) =
+                target
+                    .state
+                    .breaker
+                    .report(outcome, ms_at(now_instant), &table.breaker)
             {
                 log::warn!("target {}: {}", target.state.label(), t.as_str());
                 METRICS
@@ -272,7 +279,13 @@ impl Gateway {
                     ctx.status = outcome.status;
                     target
                         .state
-                        .observe_upstream(outcome.ttfb, started.elapsed());
+                        .observe_upstream(outcome.ttfb, outcome.finished - started);
+                    if let Ok(status) = http::StatusCode::from_u16(outcome.status) {
+                        route
+                            .metrics
+                            .answered(decision.target, target.state.label(), status);
+                        ctx.counted = true;
+                    }
                     return Ok(());
                 }
                 Err(ExchangeError::Retryable(e)) => {
@@ -442,15 +455,17 @@ impl ProxyHttp for Gateway {
     ) {
         let req = session.req_header();
         // The status's own text (`StatusCode::as_str`): no per-request string.
-        let status = http::StatusCode::from_u16(ctx.status).ok();
-        METRICS
-            .requests
-            .with_label_values(&[
-                ctx.route.as_deref().unwrap_or("-"),
-                ctx.target.as_deref().unwrap_or("-"),
-                status.as_ref().map_or("0", |s| s.as_str()),
-            ])
-            .inc();
+        if !ctx.counted {
+            let status = http::StatusCode::from_u16(ctx.status).ok();
+            METRICS
+                .requests
+                .with_label_values(&[
+                    ctx.route.as_deref().unwrap_or("-"),
+                    ctx.target.as_deref().unwrap_or("-"),
+                    status.as_ref().map_or("0", |s| s.as_str()),
+                ])
+                .inc();
+        }
         if !log::log_enabled!(target: "access", log::Level::Info) {
             return;
         }

@@ -80,14 +80,15 @@ impl UpstreamPool {
     }
 
     /// A connection to `peer`: the most recently released one that is still open and was
-    /// idle less than `idle_timeout`, else a new one. The flag says whether it was reused.
+    /// idle less than `idle_timeout` as of `now`, else a new one. The flag says whether it
+    /// was reused.
     pub async fn get(
         &self,
         peer: &HttpPeer,
         idle_timeout: Duration,
+        now: Instant,
     ) -> pingora::Result<(Stream, bool)> {
         if let Some(stack) = self.stack(peer) {
-            let now = Instant::now();
             loop {
                 let Some(mut idle) = stack.conns.lock().pop() else {
                     break;
@@ -100,8 +101,9 @@ impl UpstreamPool {
         Ok((self.connector.new_stream(peer).await?, false))
     }
 
-    /// Keep `stream` (whose last exchange ended cleanly) for the next request to `peer`.
-    pub fn put(&self, peer: &HttpPeer, stream: Stream, idle_timeout: Duration) {
+    /// Keep `stream` (whose last exchange ended cleanly at `now`) for the next request to
+    /// `peer`.
+    pub fn put(&self, peer: &HttpPeer, stream: Stream, idle_timeout: Duration, now: Instant) {
         if self.per_address == 0 || idle_timeout.is_zero() {
             return;
         }
@@ -111,7 +113,6 @@ impl UpstreamPool {
         let Some(stack) = self.stack(peer) else {
             return;
         };
-        let now = Instant::now();
         let mut conns = stack.conns.lock();
         // The bottom of the stack is the longest idle: expired ones go, and a full stack
         // makes room by dropping its coldest connection.
@@ -222,15 +223,15 @@ mod tests {
     async fn a_released_connection_is_reused_and_a_second_caller_gets_a_new_one() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (s, reused) = p.get(&peer, LONG).await.unwrap();
+        let (s, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         assert!(!reused);
         let (_server_side, _) = l.accept().await.unwrap();
-        p.put(&peer, s, LONG);
+        p.put(&peer, s, LONG, Instant::now());
         assert_eq!(p.idle_count(addr), 1);
-        let (s, reused) = p.get(&peer, LONG).await.unwrap();
+        let (s, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         assert!(reused, "the pooled connection should be handed out again");
         assert_eq!(p.idle_count(addr), 0);
-        let (_s2, reused) = p.get(&peer, LONG).await.unwrap();
+        let (_s2, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         assert!(!reused, "the only pooled connection is in use");
         drop(s);
     }
@@ -239,17 +240,17 @@ mod tests {
     async fn a_connection_the_upstream_closed_or_wrote_on_is_not_reused() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (a, _) = p.get(&peer, LONG).await.unwrap();
+        let (a, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p.get(&peer, LONG).await.unwrap();
+        let (b, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         let (mut server_b, _) = l.accept().await.unwrap();
-        p.put(&peer, a, LONG);
-        p.put(&peer, b, LONG);
+        p.put(&peer, a, LONG, Instant::now());
+        p.put(&peer, b, LONG, Instant::now());
         drop(server_a);
         server_b.write_all(b"unsolicited").await.unwrap();
         // Let the reactor see the FIN and the bytes.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (_c, reused) = p.get(&peer, LONG).await.unwrap();
+        let (_c, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         assert!(!reused, "both pooled connections were unusable");
         assert_eq!(p.idle_count(addr), 0);
     }
@@ -260,15 +261,18 @@ mod tests {
         let p = pool(2);
         let mut held = Vec::new();
         for _ in 0..3 {
-            held.push(p.get(&peer, LONG).await.unwrap().0);
+            held.push(p.get(&peer, LONG, Instant::now()).await.unwrap().0);
             l.accept().await.unwrap();
         }
         for s in held {
-            p.put(&peer, s, LONG);
+            p.put(&peer, s, LONG, Instant::now());
         }
         assert_eq!(p.idle_count(addr), 2, "the cap is per address");
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let (_s, reused) = p.get(&peer, Duration::from_millis(10)).await.unwrap();
+        let (_s, reused) = p
+            .get(&peer, Duration::from_millis(10), Instant::now())
+            .await
+            .unwrap();
         assert!(!reused, "every pooled connection was idle past the timeout");
         assert_eq!(p.idle_count(addr), 0);
     }
@@ -277,12 +281,12 @@ mod tests {
     async fn the_sweep_closes_connections_their_upstream_closed() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (a, _) = p.get(&peer, LONG).await.unwrap();
+        let (a, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p.get(&peer, LONG).await.unwrap();
+        let (b, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
         let (_server_b, _) = l.accept().await.unwrap();
-        p.put(&peer, a, LONG);
-        p.put(&peer, b, LONG);
+        p.put(&peer, a, LONG, Instant::now());
+        p.put(&peer, b, LONG, Instant::now());
         drop(server_a);
         tokio::time::sleep(Duration::from_millis(50)).await;
         let stack = p.stack(&peer).unwrap();

@@ -58,6 +58,8 @@ pub struct ExchangeOutcome {
     pub ttfb: Duration,
     /// Whether the upstream connection came from the pool.
     pub reused: bool,
+    /// When the response's last byte was relayed.
+    pub finished: Instant,
 }
 
 /// Everything the exchange needs about its target.
@@ -132,7 +134,7 @@ pub async fn exchange(
     let mut attempt = None;
     for _ in 0..2 {
         let (stream, reused) = pool
-            .get(up.peer, up.idle_timeout)
+            .get(up.peer, up.idle_timeout, started)
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         let mut s = match send_request(stream, up.peer, request).await {
@@ -192,13 +194,15 @@ pub async fn exchange(
     // pingora's keep-alive rules (response version and `connection` header, a body read to
     // its end with nothing extra, no upgrade) decide whether the connection goes back.
     http.respect_keepalive();
+    let finished = Instant::now();
     if let Some(stream) = http.reuse().await {
-        pool.put(up.peer, stream, up.idle_timeout);
+        pool.put(up.peer, stream, up.idle_timeout, finished);
     }
     Ok(ExchangeOutcome {
         status,
         ttfb,
         reused,
+        finished,
     })
 }
 

@@ -122,6 +122,19 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, each at the index `reason as usize`.
+    pub const ALL: [Reason; 9] = [
+        Reason::RoundRobin,
+        Reason::LeastLoad,
+        Reason::CacheHit,
+        Reason::BelowThreshold,
+        Reason::Overloaded,
+        Reason::Fallback,
+        Reason::Affinity,
+        Reason::Scored,
+        Reason::CacheCapacity,
+    ];
+
     /// Stable label value for metrics and logs.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -207,4 +220,31 @@ pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
         }
     }
     chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_sits_at_its_own_index_with_its_own_label() {
+        // Exhaustive: a new variant fails to compile here until it is added to `ALL`.
+        let listed = |r: Reason| match r {
+            Reason::RoundRobin
+            | Reason::LeastLoad
+            | Reason::CacheHit
+            | Reason::BelowThreshold
+            | Reason::Overloaded
+            | Reason::Fallback
+            | Reason::Affinity
+            | Reason::Scored
+            | Reason::CacheCapacity => Reason::ALL.contains(&r),
+        };
+        assert!(Reason::ALL.iter().all(|&r| listed(r)));
+        let mut labels = std::collections::HashSet::new();
+        for (i, r) in Reason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{r:?}");
+            assert!(labels.insert(r.as_str()), "duplicate label {}", r.as_str());
+        }
+    }
 }
