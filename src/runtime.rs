@@ -53,8 +53,11 @@ pub enum LoadError {
 pub struct RouteTarget {
     /// Live state shared with every route that uses the same (provider, model).
     pub state: Arc<TargetState>,
-    /// The upstream peer (resolved address, timeouts); cloned per request.
+    /// The upstream peer (resolved address, timeouts).
     pub peer: HttpPeer,
+    /// The peer's idle upstream connections, found in the gateway's pool on first use (a
+    /// reload builds new targets, so a changed address gets its own stack).
+    pub idle: std::sync::OnceLock<Option<Arc<crate::proxy::pool::IdleStack>>>,
     /// `Host` header value for the upstream.
     pub host: String,
     /// Path prefix from `api_base` ("" if none), prepended to the request path.
@@ -289,6 +292,7 @@ impl RouteTable {
                     RouteTarget {
                         state,
                         peer: make_peer(up.addr, &timeouts),
+                        idle: Default::default(),
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
                         upstream_model_json: crate::prompt::quote_model(&t.model),

@@ -229,6 +229,10 @@ impl Gateway {
             );
             let up = Upstream {
                 peer: &target.peer,
+                idle: target
+                    .idle
+                    .get_or_init(|| self.pool.stack_for(&target.peer))
+                    .as_deref(),
                 label: target.state.label(),
                 idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
             };

@@ -49,8 +49,10 @@ pub struct UpstreamPool {
     sweeper: std::sync::Once,
 }
 
+/// The idle connections to one upstream address. Callers on the request path keep an
+/// `Arc` of their target's stack ([`UpstreamPool::stack_for`]) so a request looks nothing up.
 #[derive(Default)]
-struct IdleStack {
+pub struct IdleStack {
     conns: Mutex<Vec<Idle>>,
 }
 
@@ -79,16 +81,17 @@ impl UpstreamPool {
         }
     }
 
-    /// A connection to `peer`: the most recently released one that is still open and was
-    /// idle less than `idle_timeout` as of `now`, else a new one. The flag says whether it
-    /// was reused.
+    /// A connection to `peer`: the most recently released one in `peer`'s `stack` that is
+    /// still open and was idle less than `idle_timeout` as of `now`, else a new one. The flag
+    /// says whether it was reused.
     pub async fn get(
         &self,
         peer: &HttpPeer,
+        stack: Option<&IdleStack>,
         idle_timeout: Duration,
         now: Instant,
     ) -> pingora::Result<(Stream, bool)> {
-        if let Some(stack) = self.stack(peer) {
+        if let Some(stack) = stack {
             loop {
                 let Some(mut idle) = stack.conns.lock().pop() else {
                     break;
@@ -101,18 +104,15 @@ impl UpstreamPool {
         Ok((self.connector.new_stream(peer).await?, false))
     }
 
-    /// Keep `stream` (whose last exchange ended cleanly at `now`) for the next request to
-    /// `peer`.
-    pub fn put(&self, peer: &HttpPeer, stream: Stream, idle_timeout: Duration, now: Instant) {
+    /// Keep `stream` (whose last exchange ended cleanly at `now`) in its upstream's `stack`
+    /// for the next request.
+    pub fn put(&self, stack: &IdleStack, stream: Stream, idle_timeout: Duration, now: Instant) {
         if self.per_address == 0 || idle_timeout.is_zero() {
             return;
         }
         self.idle_timeout_ms
             .store(idle_timeout.as_millis() as u64, Ordering::Relaxed);
         self.start_sweeper();
-        let Some(stack) = self.stack(peer) else {
-            return;
-        };
         let mut conns = stack.conns.lock();
         // The bottom of the stack is the longest idle: expired ones go, and a full stack
         // makes room by dropping its coldest connection.
@@ -134,7 +134,9 @@ impl UpstreamPool {
             .map_or(0, |s| s.value().conns.lock().len())
     }
 
-    fn stack(&self, peer: &HttpPeer) -> Option<Arc<IdleStack>> {
+    /// The idle stack of `peer`'s address (made on first use; `None` for a non-IP peer,
+    /// which is never pooled).
+    pub fn stack_for(&self, peer: &HttpPeer) -> Option<Arc<IdleStack>> {
         let addr = *peer._address.as_inet()?;
         if let Some(s) = self.stacks.get(&addr) {
             return Some(s.value().clone());
@@ -223,15 +225,24 @@ mod tests {
     async fn a_released_connection_is_reused_and_a_second_caller_gets_a_new_one() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (s, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (s, reused) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         assert!(!reused);
         let (_server_side, _) = l.accept().await.unwrap();
-        p.put(&peer, s, LONG, Instant::now());
+        p.put(&p.stack_for(&peer).unwrap(), s, LONG, Instant::now());
         assert_eq!(p.idle_count(addr), 1);
-        let (s, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (s, reused) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         assert!(reused, "the pooled connection should be handed out again");
         assert_eq!(p.idle_count(addr), 0);
-        let (_s2, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (_s2, reused) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         assert!(!reused, "the only pooled connection is in use");
         drop(s);
     }
@@ -240,17 +251,26 @@ mod tests {
     async fn a_connection_the_upstream_closed_or_wrote_on_is_not_reused() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (a, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (a, _) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (b, _) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         let (mut server_b, _) = l.accept().await.unwrap();
-        p.put(&peer, a, LONG, Instant::now());
-        p.put(&peer, b, LONG, Instant::now());
+        p.put(&p.stack_for(&peer).unwrap(), a, LONG, Instant::now());
+        p.put(&p.stack_for(&peer).unwrap(), b, LONG, Instant::now());
         drop(server_a);
         server_b.write_all(b"unsolicited").await.unwrap();
         // Let the reactor see the FIN and the bytes.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (_c, reused) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (_c, reused) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         assert!(!reused, "both pooled connections were unusable");
         assert_eq!(p.idle_count(addr), 0);
     }
@@ -261,16 +281,26 @@ mod tests {
         let p = pool(2);
         let mut held = Vec::new();
         for _ in 0..3 {
-            held.push(p.get(&peer, LONG, Instant::now()).await.unwrap().0);
+            held.push(
+                p.get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+                    .await
+                    .unwrap()
+                    .0,
+            );
             l.accept().await.unwrap();
         }
         for s in held {
-            p.put(&peer, s, LONG, Instant::now());
+            p.put(&p.stack_for(&peer).unwrap(), s, LONG, Instant::now());
         }
         assert_eq!(p.idle_count(addr), 2, "the cap is per address");
         tokio::time::sleep(Duration::from_millis(30)).await;
         let (_s, reused) = p
-            .get(&peer, Duration::from_millis(10), Instant::now())
+            .get(
+                &peer,
+                p.stack_for(&peer).as_deref(),
+                Duration::from_millis(10),
+                Instant::now(),
+            )
             .await
             .unwrap();
         assert!(!reused, "every pooled connection was idle past the timeout");
@@ -281,15 +311,21 @@ mod tests {
     async fn the_sweep_closes_connections_their_upstream_closed() {
         let (l, peer, addr) = listener().await;
         let p = pool(4);
-        let (a, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (a, _) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p.get(&peer, LONG, Instant::now()).await.unwrap();
+        let (b, _) = p
+            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
+            .await
+            .unwrap();
         let (_server_b, _) = l.accept().await.unwrap();
-        p.put(&peer, a, LONG, Instant::now());
-        p.put(&peer, b, LONG, Instant::now());
+        p.put(&p.stack_for(&peer).unwrap(), a, LONG, Instant::now());
+        p.put(&p.stack_for(&peer).unwrap(), b, LONG, Instant::now());
         drop(server_a);
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let stack = p.stack(&peer).unwrap();
+        let stack = p.stack_for(&peer).unwrap();
         sweep(&stack, LONG, Instant::now());
         assert_eq!(p.idle_count(addr), 1, "only the closed connection goes");
         sweep(&stack, Duration::ZERO, Instant::now());

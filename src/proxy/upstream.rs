@@ -8,7 +8,7 @@
 //! nothing can be retried or replaced.
 
 use super::error::GatewayError;
-use super::pool::UpstreamPool;
+use super::pool::{IdleStack, UpstreamPool};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::Stream;
@@ -65,6 +65,8 @@ pub struct ExchangeOutcome {
 /// Everything the exchange needs about its target.
 pub struct Upstream<'a> {
     pub peer: &'a HttpPeer,
+    /// The peer's idle connections (`None`: not pooled).
+    pub idle: Option<&'a IdleStack>,
     pub label: &'a str,
     pub idle_timeout: Duration,
 }
@@ -134,7 +136,7 @@ pub async fn exchange(
     let mut attempt = None;
     for _ in 0..2 {
         let (stream, reused) = pool
-            .get(up.peer, up.idle_timeout, started)
+            .get(up.peer, up.idle, up.idle_timeout, started)
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         let mut s = match send_request(stream, up.peer, request).await {
@@ -195,8 +197,8 @@ pub async fn exchange(
     // its end with nothing extra, no upgrade) decide whether the connection goes back.
     http.respect_keepalive();
     let finished = Instant::now();
-    if let Some(stream) = http.reuse().await {
-        pool.put(up.peer, stream, up.idle_timeout, finished);
+    if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
+        pool.put(idle, stream, up.idle_timeout, finished);
     }
     Ok(ExchangeOutcome {
         status,
