@@ -207,128 +207,118 @@ fn still_open(stream: &mut Stream) -> bool {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
-    use tokio::net::TcpListener;
-
-    fn pool(per_address: usize) -> UpstreamPool {
-        UpstreamPool::with_capacity(ConnectorOptions::new(per_address), per_address)
-    }
-
-    async fn listener() -> (TcpListener, HttpPeer, SocketAddr) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        (l, HttpPeer::new(addr, false, String::new()), addr)
-    }
+    use tokio::net::{TcpListener, TcpStream};
 
     const LONG: Duration = Duration::from_secs(60);
 
+    /// A pool of `per_address` connections to a loopback listener.
+    struct Fixture {
+        pool: UpstreamPool,
+        listener: TcpListener,
+        peer: HttpPeer,
+        addr: SocketAddr,
+    }
+
+    impl Fixture {
+        async fn new(per_address: usize) -> Self {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            Fixture {
+                pool: UpstreamPool::with_capacity(ConnectorOptions::new(per_address), per_address),
+                listener,
+                peer: HttpPeer::new(addr, false, String::new()),
+                addr,
+            }
+        }
+
+        fn stack(&self) -> Arc<IdleStack> {
+            self.pool.stack_for(&self.peer).unwrap()
+        }
+
+        /// A connection from the pool (reused or new) and whether it was reused.
+        async fn get(&self, idle_timeout: Duration) -> (Stream, bool) {
+            let stack = self.stack();
+            let got = self
+                .pool
+                .get(&self.peer, Some(&stack), idle_timeout, Instant::now());
+            got.await.unwrap()
+        }
+
+        /// A new connection and the upstream's end of it.
+        async fn connect(&self) -> (Stream, TcpStream) {
+            let (s, reused) = self.get(LONG).await;
+            assert!(!reused);
+            (s, self.listener.accept().await.unwrap().0)
+        }
+
+        fn put(&self, s: Stream) {
+            self.pool.put(&self.stack(), s, LONG, Instant::now());
+        }
+
+        fn idle(&self) -> usize {
+            self.pool.idle_count(self.addr)
+        }
+    }
+
     #[tokio::test]
     async fn a_released_connection_is_reused_and_a_second_caller_gets_a_new_one() {
-        let (l, peer, addr) = listener().await;
-        let p = pool(4);
-        let (s, reused) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
-        assert!(!reused);
-        let (_server_side, _) = l.accept().await.unwrap();
-        p.put(&p.stack_for(&peer).unwrap(), s, LONG, Instant::now());
-        assert_eq!(p.idle_count(addr), 1);
-        let (s, reused) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
+        let f = Fixture::new(4).await;
+        let (s, _upstream) = f.connect().await;
+        f.put(s);
+        assert_eq!(f.idle(), 1);
+        let (s, reused) = f.get(LONG).await;
         assert!(reused, "the pooled connection should be handed out again");
-        assert_eq!(p.idle_count(addr), 0);
-        let (_s2, reused) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
+        assert_eq!(f.idle(), 0);
+        let (_s2, reused) = f.get(LONG).await;
         assert!(!reused, "the only pooled connection is in use");
         drop(s);
     }
 
     #[tokio::test]
     async fn a_connection_the_upstream_closed_or_wrote_on_is_not_reused() {
-        let (l, peer, addr) = listener().await;
-        let p = pool(4);
-        let (a, _) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
-        let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
-        let (mut server_b, _) = l.accept().await.unwrap();
-        p.put(&p.stack_for(&peer).unwrap(), a, LONG, Instant::now());
-        p.put(&p.stack_for(&peer).unwrap(), b, LONG, Instant::now());
-        drop(server_a);
-        server_b.write_all(b"unsolicited").await.unwrap();
+        let f = Fixture::new(4).await;
+        let (a, upstream_a) = f.connect().await;
+        let (b, mut upstream_b) = f.connect().await;
+        f.put(a);
+        f.put(b);
+        drop(upstream_a);
+        upstream_b.write_all(b"unsolicited").await.unwrap();
         // Let the reactor see the FIN and the bytes.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (_c, reused) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
+        let (_c, reused) = f.get(LONG).await;
         assert!(!reused, "both pooled connections were unusable");
-        assert_eq!(p.idle_count(addr), 0);
+        assert_eq!(f.idle(), 0);
     }
 
     #[tokio::test]
     async fn connections_idle_past_the_timeout_are_dropped_and_the_stack_is_capped() {
-        let (l, peer, addr) = listener().await;
-        let p = pool(2);
+        let f = Fixture::new(2).await;
         let mut held = Vec::new();
         for _ in 0..3 {
-            held.push(
-                p.get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-                    .await
-                    .unwrap()
-                    .0,
-            );
-            l.accept().await.unwrap();
+            held.push(f.connect().await);
         }
-        for s in held {
-            p.put(&p.stack_for(&peer).unwrap(), s, LONG, Instant::now());
+        for (s, _upstream) in held {
+            f.put(s);
         }
-        assert_eq!(p.idle_count(addr), 2, "the cap is per address");
+        assert_eq!(f.idle(), 2, "the cap is per address");
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let (_s, reused) = p
-            .get(
-                &peer,
-                p.stack_for(&peer).as_deref(),
-                Duration::from_millis(10),
-                Instant::now(),
-            )
-            .await
-            .unwrap();
+        let (_s, reused) = f.get(Duration::from_millis(10)).await;
         assert!(!reused, "every pooled connection was idle past the timeout");
-        assert_eq!(p.idle_count(addr), 0);
+        assert_eq!(f.idle(), 0);
     }
 
     #[tokio::test]
     async fn the_sweep_closes_connections_their_upstream_closed() {
-        let (l, peer, addr) = listener().await;
-        let p = pool(4);
-        let (a, _) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
-        let (server_a, _) = l.accept().await.unwrap();
-        let (b, _) = p
-            .get(&peer, p.stack_for(&peer).as_deref(), LONG, Instant::now())
-            .await
-            .unwrap();
-        let (_server_b, _) = l.accept().await.unwrap();
-        p.put(&p.stack_for(&peer).unwrap(), a, LONG, Instant::now());
-        p.put(&p.stack_for(&peer).unwrap(), b, LONG, Instant::now());
-        drop(server_a);
+        let f = Fixture::new(4).await;
+        let (a, upstream_a) = f.connect().await;
+        let (b, _upstream_b) = f.connect().await;
+        f.put(a);
+        f.put(b);
+        drop(upstream_a);
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let stack = p.stack_for(&peer).unwrap();
-        sweep(&stack, LONG, Instant::now());
-        assert_eq!(p.idle_count(addr), 1, "only the closed connection goes");
-        sweep(&stack, Duration::ZERO, Instant::now());
-        assert_eq!(p.idle_count(addr), 0, "then everything past the timeout");
+        sweep(&f.stack(), LONG, Instant::now());
+        assert_eq!(f.idle(), 1, "only the closed connection goes");
+        sweep(&f.stack(), Duration::ZERO, Instant::now());
+        assert_eq!(f.idle(), 0, "then everything past the timeout");
     }
 }
