@@ -263,7 +263,6 @@ impl RouteTable {
             let timeouts = PeerTimeouts {
                 connect_ms: ms(r.timeouts.connect_timeout_ms, limits.connect_timeout_ms),
                 read_ms: ms(r.timeouts.read_timeout_ms, limits.read_timeout_ms),
-                idle_ms: limits.upstream_idle_timeout_ms,
             };
             let total_ms = ms(r.timeouts.total_timeout_ms, limits.total_timeout_ms);
             let targets: Vec<RouteTarget> = r
@@ -417,7 +416,6 @@ fn resolve_provider(
 struct PeerTimeouts {
     connect_ms: u64,
     read_ms: u64,
-    idle_ms: u64,
 }
 
 /// Check `[providers.lmcache]`'s current addresses against the egress policy. A denied
@@ -530,7 +528,6 @@ fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
     peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
     peer.options.read_timeout = Some(Duration::from_millis(t.read_ms));
     peer.options.write_timeout = Some(Duration::from_millis(t.read_ms));
-    peer.options.idle_timeout = Some(Duration::from_millis(t.idle_ms));
     peer
 }
 

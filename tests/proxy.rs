@@ -376,3 +376,78 @@ async fn a_pooled_connection_closed_unanswered_is_retried_on_a_fresh_one() {
     );
     server.abort();
 }
+
+/// An upstream that answers every request on a connection with `status_line` and `extra`
+/// header lines, keeping the connection open afterwards; returns its address and the
+/// number of connections it accepted and requests it answered.
+async fn counting_upstream(
+    status_line: &'static str,
+    extra: &'static str,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (conns, answered) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, a) = (conns.clone(), answered.clone());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let a = a.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while read_one_request(&mut sock, &mut buf).await.is_some() {
+                    let body = r#"{"id":"x","object":"chat.completion","choices":[]}"#;
+                    let answer = format!(
+                        "{status_line}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if sock.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    a.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    (addr, conns, answered)
+}
+
+/// A connection whose response said it ends (`connection: close`, or HTTP/1.0 without
+/// keep-alive) never goes back to the pool, even if the upstream leaves it open; an
+/// ordinary keep-alive response does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
+    use std::sync::atomic::Ordering;
+    for (status_line, extra, reusable) in [
+        ("HTTP/1.1 200 OK", "", true),
+        ("HTTP/1.1 200 OK", "connection: close\r\n", false),
+        ("HTTP/1.0 200 OK", "", false),
+    ] {
+        let (addr, conns, answered) = counting_upstream(status_line, extra).await;
+        let routes = format!(
+            "[[providers]]\nname = \"p0\"\nkind = \"openai_compatible\"\napi_base = \"http://{addr}\"\n\
+             [providers.health]\nenabled = false\n\n\
+             [[routes]]\nmodel = \"alias\"\nstrategy = \"round_robin\"\n\
+             [[routes.targets]]\nprovider = \"p0\"\nmodel = \"m\"\n"
+        );
+        let gw = Gateway::start(&routes).await;
+        for i in 0..3 {
+            let (status, _, body) =
+                post_chat(&gw, chat_body("alias", &format!("question {i}"), false)).await;
+            assert_eq!(status, 200, "{status_line} {extra:?} request {i}: {body}");
+        }
+        assert_eq!(answered.load(Ordering::SeqCst), 3);
+        let expected = if reusable { 1 } else { 3 };
+        assert_eq!(
+            conns.load(Ordering::SeqCst),
+            expected,
+            "{status_line} {extra:?}: upstream connections for 3 requests"
+        );
+    }
+}

@@ -218,7 +218,8 @@ impl Gateway {
                 .metrics
                 .decision(decision.reason as usize, decision.reason.as_str());
             let _slot = target.state.start_request();
-            let started = now_instant;
+            // TTFB and latency count from here, not from before the routing decision.
+            let started = Instant::now();
             let request = upstream::encode_request(
                 session.req_header(),
                 &target.host,

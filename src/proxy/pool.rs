@@ -14,13 +14,20 @@
 //! about 10% of the gateway's user-space instructions per request (callgrind,
 //! `loadtest/profile.sh`) and the largest piece of it we control. Here a release is a push
 //! onto the address's stack and a reuse a pop plus the same non-blocking one-byte read
-//! pingora does to reject a connection the upstream closed; one task per gateway sweeps
-//! stacks nobody touched for a while, so an upstream that closed its idle connections does
-//! not leave them half-open here (what pingora's per-connection watcher was for).
+//! pingora does to reject a connection the upstream closed (on release too); one task per
+//! gateway visits every stack once a second (its lock, then a readiness check of each idle
+//! connection that makes no syscall unless the socket turned readable) and closes
+//! connections idle past the timeout or closed by their upstream, so an idle upstream's
+//! closes do not leave them half-open here (what pingora's per-connection watcher was for),
+//! and forgets stacks of addresses no route uses any more.
 //!
 //! The stacks are LIFO so the hottest connections are reused and the coldest age out at the
 //! bottom, where puts and sweeps trim them. Each stack is its own short mutex (push/pop of
-//! a pointer-sized entry): striped by upstream, never held across an await.
+//! a 32-byte entry): striped by upstream, never held across an await.
+//!
+//! The sweeper is spawned on the runtime of the first release (pingora's proxy runtime). A
+//! route target remembers its stack ([`UpstreamPool::stack_for`]), so a routing table must
+//! be served by one pool (one gateway), as it is in the binary.
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -106,12 +113,17 @@ impl UpstreamPool {
 
     /// Keep `stream` (whose last exchange ended cleanly at `now`) in its upstream's `stack`
     /// for the next request.
-    pub fn put(&self, stack: &IdleStack, stream: Stream, idle_timeout: Duration, now: Instant) {
-        if self.per_address == 0 || idle_timeout.is_zero() {
+    pub fn put(&self, stack: &IdleStack, mut stream: Stream, idle_timeout: Duration, now: Instant) {
+        // Closed right after its response (a FIN racing it, a request cap without
+        // `connection: close`): not worth a slot.
+        if self.per_address == 0 || idle_timeout.is_zero() || !still_open(&mut stream) {
             return;
         }
-        self.idle_timeout_ms
-            .store(idle_timeout.as_millis() as u64, Ordering::Relaxed);
+        let ms = idle_timeout.as_millis() as u64;
+        // Read first: a store on every request would bounce the line between workers.
+        if self.idle_timeout_ms.load(Ordering::Relaxed) != ms {
+            self.idle_timeout_ms.store(ms, Ordering::Relaxed);
+        }
         self.start_sweeper();
         let mut conns = stack.conns.lock();
         // The bottom of the stack is the longest idle: expired ones go, and a full stack
@@ -165,6 +177,9 @@ async fn sweep_forever(stacks: Weak<DashMap<SocketAddr, Arc<IdleStack>>>, timeou
             return;
         };
         let idle_timeout = Duration::from_millis(timeout.load(Ordering::Relaxed));
+        // A stack no route target holds (its address left the routing file) and that is
+        // empty goes; `retain` holds each shard's write lock, so `stack_for` cannot race it.
+        stacks.retain(|_, s| Arc::strong_count(s) > 1 || !s.conns.lock().is_empty());
         let all: Vec<Arc<IdleStack>> = stacks.iter().map(|s| s.value().clone()).collect();
         drop(stacks);
         for stack in all {
@@ -291,19 +306,79 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn connections_idle_past_the_timeout_are_dropped_and_the_stack_is_capped() {
+    async fn the_stack_is_capped_per_address_and_its_coldest_connection_goes_first() {
         let f = Fixture::new(2).await;
-        let mut held = Vec::new();
+        let (mut conns, mut ups) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            held.push(f.connect().await);
+            let (s, up) = f.connect().await;
+            conns.push(s);
+            ups.push(up);
         }
-        for (s, _upstream) in held {
+        for s in conns {
             f.put(s);
         }
         assert_eq!(f.idle(), 2, "the cap is per address");
+        // The first released (coldest) went: closing its upstream end changes nothing.
+        drop(ups.remove(0));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            f.get(LONG).await.1 && f.get(LONG).await.1,
+            "both kept ones are live"
+        );
+    }
+
+    #[tokio::test]
+    async fn connections_idle_past_the_timeout_are_not_reused() {
+        let f = Fixture::new(4).await;
+        let (a, _up_a) = f.connect().await;
+        let (b, _up_b) = f.connect().await;
+        f.put(a);
+        f.put(b);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        // Control: both are open and reusable under a long timeout...
+        let (a, reused) = f.get(LONG).await;
+        assert!(reused);
+        f.put(a);
+        // ...but not once idle past a short one (the other one's upstream end is open too).
         tokio::time::sleep(Duration::from_millis(30)).await;
         let (_s, reused) = f.get(Duration::from_millis(10)).await;
         assert!(!reused, "every pooled connection was idle past the timeout");
+        assert_eq!(f.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_put_drops_the_connections_idle_past_the_timeout() {
+        let f = Fixture::new(4).await;
+        let (a, _up_a) = f.connect().await;
+        let (b, _up_b) = f.connect().await;
+        let (c, _up_c) = f.connect().await;
+        let short = Duration::from_millis(10);
+        f.pool.put(&f.stack(), a, short, Instant::now());
+        f.pool.put(&f.stack(), b, short, Instant::now());
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        f.pool.put(&f.stack(), c, short, Instant::now());
+        assert_eq!(f.idle(), 1, "only the one just released stays");
+    }
+
+    #[tokio::test]
+    async fn a_zero_cap_or_idle_timeout_keeps_nothing() {
+        let f = Fixture::new(0).await;
+        let (a, _up) = f.connect().await;
+        f.put(a);
+        assert_eq!(f.idle(), 0);
+        let f = Fixture::new(4).await;
+        let (a, _up) = f.connect().await;
+        f.pool.put(&f.stack(), a, Duration::ZERO, Instant::now());
+        assert_eq!(f.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_before_its_release_is_not_kept() {
+        let f = Fixture::new(4).await;
+        let (a, up) = f.connect().await;
+        drop(up);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        f.put(a);
         assert_eq!(f.idle(), 0);
     }
 

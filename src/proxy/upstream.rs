@@ -58,7 +58,7 @@ pub struct ExchangeOutcome {
     pub ttfb: Duration,
     /// Whether the upstream connection came from the pool.
     pub reused: bool,
-    /// When the response's last byte was relayed.
+    /// When the upstream's response ended (its last byte read and handed to the client).
     pub finished: Instant,
 }
 
@@ -133,10 +133,12 @@ pub async fn exchange(
     // byte came back: pingora marks that `ReusedOnly`, and pingora-proxy retries it the same
     // way), gets one more try on another connection to the same target. A request the
     // upstream closed an idle connection on was never read, so it cannot have acted on it.
+    // That try uses a new connection: after an upstream restart every pooled one is dead.
     let mut attempt = None;
-    for _ in 0..2 {
+    for try_number in 0..2 {
+        let idle = if try_number == 0 { up.idle } else { None };
         let (stream, reused) = pool
-            .get(up.peer, up.idle, up.idle_timeout, started)
+            .get(up.peer, idle, up.idle_timeout, started)
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         let mut s = match send_request(stream, up.peer, request).await {
@@ -159,7 +161,8 @@ pub async fn exchange(
         }
     }
     let (mut http, reused) = attempt.ok_or_else(|| {
-        ExchangeError::Final(GatewayError::UpstreamBroken {
+        // Unreachable while the second try is on a new connection; nothing was processed.
+        ExchangeError::Retryable(GatewayError::UpstreamBroken {
             target: up.label.to_string(),
             reason: "pooled connections kept failing".into(),
         })
@@ -189,17 +192,18 @@ pub async fn exchange(
             .await
             .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
     }
-    session
-        .write_response_body(None, true)
-        .await
-        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
-    // pingora's keep-alive rules (response version and `connection` header, a body read to
-    // its end with nothing extra, no upgrade) decide whether the connection goes back.
+    // The upstream is done with: its connection goes back before the last write to a client
+    // that may be slow. pingora's keep-alive rules (response version and `connection`
+    // header, a body read to its end with nothing extra, no upgrade) decide whether it may.
     http.respect_keepalive();
     let finished = Instant::now();
     if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
         pool.put(idle, stream, up.idle_timeout, finished);
     }
+    session
+        .write_response_body(None, true)
+        .await
+        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
     Ok(ExchangeOutcome {
         status,
         ttfb,
