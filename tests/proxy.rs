@@ -298,6 +298,17 @@ async fn unreachable_upstream_gives_502_and_slow_upstream_gives_504() {
 }
 
 /// Read one HTTP/1.1 request (head, then a `content-length` body) from `sock`; `None` at EOF.
+/// A round_robin route to the one upstream at `addr`, with health probes off (so every
+/// connection the upstream sees carries a proxied request).
+fn one_target_without_probes(addr: std::net::SocketAddr) -> String {
+    format!(
+        "[[providers]]\nname = \"p0\"\nkind = \"openai_compatible\"\napi_base = \"http://{addr}\"\n\
+         [providers.health]\nenabled = false\n\n\
+         [[routes]]\nmodel = \"alias\"\nstrategy = \"round_robin\"\n\
+         [[routes.targets]]\nprovider = \"p0\"\nmodel = \"m\"\n"
+    )
+}
+
 async fn read_one_request(sock: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
     use tokio::io::AsyncReadExt;
     loop {
@@ -357,13 +368,7 @@ async fn a_pooled_connection_closed_unanswered_is_retried_on_a_fresh_one() {
             });
         }
     });
-    let routes = format!(
-        "[[providers]]\nname = \"p0\"\nkind = \"openai_compatible\"\napi_base = \"http://{addr}\"\n\
-         [providers.health]\nenabled = false\n\n\
-         [[routes]]\nmodel = \"alias\"\nstrategy = \"round_robin\"\n\
-         [[routes.targets]]\nprovider = \"p0\"\nmodel = \"m\"\n"
-    );
-    let gw = Gateway::start(&routes).await;
+    let gw = Gateway::start(&one_target_without_probes(addr)).await;
     for i in 0..4 {
         let (status, _, body) =
             post_chat(&gw, chat_body("alias", &format!("question {i}"), false)).await;
@@ -430,13 +435,7 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
         ("HTTP/1.0 200 OK", "", false),
     ] {
         let (addr, conns, answered) = counting_upstream(status_line, extra).await;
-        let routes = format!(
-            "[[providers]]\nname = \"p0\"\nkind = \"openai_compatible\"\napi_base = \"http://{addr}\"\n\
-             [providers.health]\nenabled = false\n\n\
-             [[routes]]\nmodel = \"alias\"\nstrategy = \"round_robin\"\n\
-             [[routes.targets]]\nprovider = \"p0\"\nmodel = \"m\"\n"
-        );
-        let gw = Gateway::start(&routes).await;
+        let gw = Gateway::start(&one_target_without_probes(addr)).await;
         for i in 0..3 {
             let (status, _, body) =
                 post_chat(&gw, chat_body("alias", &format!("question {i}"), false)).await;
