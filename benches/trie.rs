@@ -280,20 +280,32 @@ fn bench_concurrent(c: &mut Criterion) {
         ch
     }));
 
+    // `ROLTER_TRIE_AB_ONLY=1`: skip the criterion loops (a few untimed rounds instead, so the
+    // tries reach their steady state) and print only the A/B rounds; quicker when comparing
+    // builds.
+    let ab_only = std::env::var_os("ROLTER_TRIE_AB_ONLY").is_some();
     let mut g = c.benchmark_group("concurrent");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
     g.throughput(Throughput::Elements(1));
-    g.bench_function("1-thread", |b| {
-        b.iter_custom(|n| run_workers(&[&one], &mut one_chats, n))
-    });
-    g.bench_function("2-threads-same-trie", |b| {
-        b.iter_custom(|n| run_workers(&[&same_trie], &mut same_chats, n))
-    });
-    g.bench_function("2-threads-separate-tries", |b| {
-        b.iter_custom(|n| run_workers(&[&sep_a, &sep_b], &mut sep_chats, n))
-    });
+    if ab_only {
+        for _ in 0..3 {
+            run_workers(&[&one], &mut one_chats, 200_000);
+            run_workers(&[&same_trie], &mut same_chats, 200_000);
+            run_workers(&[&sep_a, &sep_b], &mut sep_chats, 200_000);
+        }
+    } else {
+        g.bench_function("1-thread", |b| {
+            b.iter_custom(|n| run_workers(&[&one], &mut one_chats, n))
+        });
+        g.bench_function("2-threads-same-trie", |b| {
+            b.iter_custom(|n| run_workers(&[&same_trie], &mut same_chats, n))
+        });
+        g.bench_function("2-threads-separate-tries", |b| {
+            b.iter_custom(|n| run_workers(&[&sep_a, &sep_b], &mut sep_chats, n))
+        });
+    }
     g.finish();
     if profiling() {
         return;
