@@ -290,7 +290,11 @@ fn bench_concurrent(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3));
     g.throughput(Throughput::Elements(1));
     if ab_only {
-        for _ in 0..3 {
+        let warmup: usize = std::env::var("ROLTER_TRIE_WARMUP")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(3);
+        for _ in 0..warmup {
             run_workers(&[&one], &mut one_chats, 200_000);
             run_workers(&[&same_trie], &mut same_chats, 200_000);
             run_workers(&[&sep_a, &sep_b], &mut sep_chats, 200_000);

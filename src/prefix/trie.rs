@@ -520,13 +520,55 @@ impl std::fmt::Debug for PrefixTrie {
     }
 }
 
-/// This thread's free-slot stripe.
+/// This thread's stripe (its free stack and LRU list): the lowest stripe no live thread holds,
+/// taken at first use and given back when the thread exits, so a program that keeps
+/// replacing its threads (a bench spawning workers per run, a pool restarting one) keeps
+/// reusing the same few stripes instead of rotating through all of them; with more live
+/// threads than stripes, the extra ones share round-robin. Only a placement hint: every stack
+/// and list is behind a lock, so any stripe is correct, hence `Relaxed` throughout.
 fn free_stripe() -> usize {
+    static HELD: AtomicU32 = AtomicU32::new(0);
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static STRIPE: usize = NEXT.fetch_add(1, Relaxed) % FREE_STRIPES;
+    struct Stripe {
+        index: usize,
+        held: bool,
     }
-    STRIPE.with(|s| *s)
+    impl Drop for Stripe {
+        fn drop(&mut self) {
+            if self.held {
+                release_stripe(&HELD, self.index);
+            }
+        }
+    }
+    thread_local! {
+        static STRIPE: Stripe = {
+            let (index, held) = take_stripe(&HELD, &NEXT);
+            Stripe { index, held }
+        };
+    }
+    STRIPE.with(|s| s.index)
+}
+
+/// The lowest stripe not in `held` (marking it held), or, if all are, the next round-robin
+/// one (not marked): `(stripe, marked)`.
+fn take_stripe(held: &AtomicU32, next: &AtomicUsize) -> (usize, bool) {
+    const ALL: u32 = (1 << FREE_STRIPES) - 1;
+    let mut now = held.load(Relaxed);
+    loop {
+        let free = !now & ALL;
+        if free == 0 {
+            return (next.fetch_add(1, Relaxed) % FREE_STRIPES, false);
+        }
+        let index = free.trailing_zeros();
+        match held.compare_exchange_weak(now, now | 1 << index, Relaxed, Relaxed) {
+            Ok(_) => return (index as usize, true),
+            Err(seen) => now = seen,
+        }
+    }
+}
+
+fn release_stripe(held: &AtomicU32, index: usize) {
+    held.fetch_and(!(1 << index), Relaxed);
 }
 
 /// The LRU list to evict from next: this thread's own list, unless another non-empty list's
@@ -2883,6 +2925,31 @@ mod tests {
                 assert_eq!(t.match_len(&p), p.len());
             }
         }
+    }
+
+    #[test]
+    fn stripes_of_exited_threads_are_reused_first() {
+        let (held, next) = (AtomicU32::new(0), AtomicUsize::new(0));
+        let taken: Vec<_> = (0..FREE_STRIPES)
+            .map(|_| take_stripe(&held, &next))
+            .collect();
+        assert_eq!(
+            taken,
+            (0..FREE_STRIPES).map(|i| (i, true)).collect::<Vec<_>>()
+        );
+        // All held: extra threads share round-robin, unmarked.
+        assert_eq!(take_stripe(&held, &next), (0, false));
+        assert_eq!(take_stripe(&held, &next), (1, false));
+        // A thread replacing an exited one gets the exited one's stripe back.
+        release_stripe(&held, 2);
+        assert_eq!(take_stripe(&held, &next), (2, true));
+        release_stripe(&held, 1);
+        release_stripe(&held, 0);
+        assert_eq!(take_stripe(&held, &next), (0, true));
+        assert_eq!(take_stripe(&held, &next), (1, true));
+        // And a real thread's stripe is marked while it lives.
+        let s = std::thread::spawn(free_stripe).join().unwrap();
+        assert!(s < FREE_STRIPES);
     }
 
     #[test]
