@@ -93,7 +93,8 @@
 //! on two threads (the holder could not keep up with the other thread's cache-cold work);
 //! spinning longer before sleeping on the writer lock only burned CPU on this shared machine
 //! (measured again: try_lock with pauses for up to ~13 us before the futex took the projected
-//! two-thread speedup from ~1.5x to ~1.0x under load, spinning on a preempted holder).
+//! two-thread speedup from ~1.5x to ~1.0x under load, spinning on a preempted holder; but see
+//! the two phases under Measured: 10x and 100x the pre-spin measured the same here).
 //!
 //! # Measured
 //! `cargo bench --bench trie` on the shared 2-vCPU AMD EPYC (Zen 5) VM, load average 1-5 from
@@ -104,20 +105,44 @@
 //!   so a fragmented path): 0.62-0.71 us. A 16-target routing decision is 16 of these.
 //! - `insert` at steady state (trie at its cap, so including evictions): 8 KiB prompt with 0 /
 //!   50 / 90% already stored 6.1 / 2.9 / 1.7 us; 1 KiB ~1 us; 64 KiB 37 / 22 / 6 us.
-//! - Memory at the 1M-node cap: 91.6 MiB (96.1 B per node, 1.64 B per stored prompt byte).
+//! - Memory at the 1M-node cap: 95.4 MiB (100.1 B per node, 1.71 B per stored prompt byte);
+//!   91.6 MiB before the stamp side array.
 //! - Two threads: matches scale perfectly (two match-only threads each cost what one does) and
 //!   a writer does not slow a concurrent matcher. Two threads each doing match + insert on the
 //!   same trie (the 1:1 worst case; a route does ~16 matches per insert; `-- concurrent`) do
-//!   not reach the 1.6x target: with both threads really running at once (no preemption)
-//!   1.22-1.26x projected for dedicated cores (one op costs ~1.6x the CPU of a single
-//!   thread's ~1.9 us, ~60 ns asleep on the writer lock); 0.9-1.07x before the pre-spin.
-//!   Separate tries: ~1.95x. Walks never
-//!   restart (counted) and the lock is contended on ~1% of inserts; the extra CPU is spread
-//!   over single-line transfers: the writer line, the LRU tail's and the shared id-branch
-//!   nodes' bookkeeping, victims another thread's `warm` also read. Per-stripe allocator locks and the counters on the writer line did not move it outside
-//!   the noise. Removing the rest needs per-node writer locks (the seqlock versions as CAS
-//!   locks) so inserts on different paths and evictions proceed in parallel, and per-thread
-//!   LRU lists merged by an insertion stamp; not done.
+//!   not reach the 1.6x target. This machine has two phases, lasting seconds to many minutes
+//!   and switching abruptly (once mid-run), in the old code as much as in this one: in the
+//!   good one the projected same-trie speedup is 1.38-1.44x with a single LRU list and
+//!   1.52-1.54x with the per-stripe lists (full `-- concurrent` runs interleaved in one
+//!   sitting); in the bad one every part of a same-trie op, even the read-only match walk,
+//!   costs 1.6-2x and 8% of lock acquisitions sleep instead of 1.5%: 0.70-0.79x with one
+//!   list, 0.83-0.86x with per-stripe lists. Separate tries: ~1.95x in both phases, so the bad
+//!   phase only hurts threads sharing lines (host placement of the vCPUs is the suspect; not
+//!   found). Walks never restart (counted).
+//! - Where the extra ~0.6 us of an op goes (good phase, mature tries, rdtsc per section, ops
+//!   over 10 us dropped; same trie vs separate tries, ~1.65 us an op): match walk +105 ns,
+//!   insert walk +0-45, chain prebuild +80, `warm` +127, taking the writer lock +175 (~20% of
+//!   inserts find it held: the wait, plus moving the writer line every insert), critical
+//!   section +110, deferred frees +12. What still bounces: the writer line; the nodes just
+//!   below the system prompt where conversations branch off (every walk passes them, both
+//!   threads add and evict conversations under them, eviction climbs end there); slots stolen
+//!   from the other thread's free stack (~20% of inserts); metadata lines holding slots of
+//!   both threads' chains (4 slots per 16-byte-entry line). Removing the writer line and
+//!   the lock wait needs per-node writer locks (the seqlock versions as CAS locks) so inserts
+//!   and evictions on different paths proceed in parallel; not done.
+//! - Tried and dropped (projected same-trie speedup, interleaved in one sitting): evicting
+//!   exactly the oldest list head (no window) 1.36-1.45x vs 1.50-1.59x windowed, as victims
+//!   then alternate between the threads' lists; growing the arena into a slack of cap/256
+//!   slots before stealing (steals < 1%) 1.23-1.27x vs 1.52x; no `warm` 1.22x vs 1.44x;
+//!   `warm` deciding from a flag instead of reading the writer line 1.43-1.46x vs 1.49-1.60x;
+//!   10x or 100x longer pre-spin: no change (1.55-1.58x), and the bad phase still comes;
+//!   per-CPU stripes (RDTSCP's TSC_AUX) 1.19-1.23x vs 1.06-1.09x in the same (slack) sitting,
+//!   but a thread moving between cores would then split its prompts over lists and lose the
+//!   exact single-thread order; `warm` also touching the next victims' stamps and the labels
+//!   a merge reads: inconclusive (1.23 / 1.45x vs 1.35 / 1.31x); giving a new thread the
+//!   stripe of an exited one (the bench replaces its workers every run, so they rotate
+//!   through all lists and stacks): 1.46x vs 1.41x in long runs, not clearly better, and it
+//!   happened to move `run_chain` so that long matches ran ~15% slower (code placement only).
 
 use parking_lot::Mutex;
 use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
@@ -515,55 +540,13 @@ impl std::fmt::Debug for PrefixTrie {
     }
 }
 
-/// This thread's stripe (its free stack and LRU list): the lowest stripe no live thread holds,
-/// taken at first use and given back when the thread exits, so a program that keeps
-/// replacing its threads (a bench spawning workers per run, a pool restarting one) keeps
-/// reusing the same few stripes instead of rotating through all of them; with more live
-/// threads than stripes, the extra ones share round-robin. Only a placement hint: every stack
-/// and list is behind a lock, so any stripe is correct, hence `Relaxed` throughout.
+/// This thread's free-slot stripe.
 fn free_stripe() -> usize {
-    static HELD: AtomicU32 = AtomicU32::new(0);
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    struct Stripe {
-        index: usize,
-        held: bool,
-    }
-    impl Drop for Stripe {
-        fn drop(&mut self) {
-            if self.held {
-                release_stripe(&HELD, self.index);
-            }
-        }
-    }
     thread_local! {
-        static STRIPE: Stripe = {
-            let (index, held) = take_stripe(&HELD, &NEXT);
-            Stripe { index, held }
-        };
+        static STRIPE: usize = NEXT.fetch_add(1, Relaxed) % FREE_STRIPES;
     }
-    STRIPE.with(|s| s.index)
-}
-
-/// The lowest stripe not in `held` (marking it held), or, if all are, the next round-robin
-/// one (not marked): `(stripe, marked)`.
-fn take_stripe(held: &AtomicU32, next: &AtomicUsize) -> (usize, bool) {
-    const ALL: u32 = (1 << FREE_STRIPES) - 1;
-    let mut now = held.load(Relaxed);
-    loop {
-        let free = !now & ALL;
-        if free == 0 {
-            return (next.fetch_add(1, Relaxed) % FREE_STRIPES, false);
-        }
-        let index = free.trailing_zeros();
-        match held.compare_exchange_weak(now, now | 1 << index, Relaxed, Relaxed) {
-            Ok(_) => return (index as usize, true),
-            Err(seen) => now = seen,
-        }
-    }
-}
-
-fn release_stripe(held: &AtomicU32, index: usize) {
-    held.fetch_and(!(1 << index), Relaxed);
+    STRIPE.with(|s| *s)
 }
 
 /// The LRU list to evict from next: this thread's own list, unless another non-empty list's
@@ -2843,31 +2826,6 @@ mod tests {
                 assert_eq!(t.match_len(&p), p.len());
             }
         }
-    }
-
-    #[test]
-    fn stripes_of_exited_threads_are_reused_first() {
-        let (held, next) = (AtomicU32::new(0), AtomicUsize::new(0));
-        let taken: Vec<_> = (0..FREE_STRIPES)
-            .map(|_| take_stripe(&held, &next))
-            .collect();
-        assert_eq!(
-            taken,
-            (0..FREE_STRIPES).map(|i| (i, true)).collect::<Vec<_>>()
-        );
-        // All held: extra threads share round-robin, unmarked.
-        assert_eq!(take_stripe(&held, &next), (0, false));
-        assert_eq!(take_stripe(&held, &next), (1, false));
-        // A thread replacing an exited one gets the exited one's stripe back.
-        release_stripe(&held, 2);
-        assert_eq!(take_stripe(&held, &next), (2, true));
-        release_stripe(&held, 1);
-        release_stripe(&held, 0);
-        assert_eq!(take_stripe(&held, &next), (0, true));
-        assert_eq!(take_stripe(&held, &next), (1, true));
-        // And a real thread's stripe is marked while it lives.
-        let s = std::thread::spawn(free_stripe).join().unwrap();
-        assert!(s < FREE_STRIPES);
     }
 
     #[test]
