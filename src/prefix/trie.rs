@@ -11,15 +11,16 @@
 //! `LABEL_BYTES` (64) along a path, so every node fits one fixed 96-byte slot: a 64-byte label
 //! (one cache line), 16 bytes the matchers read (seqlock version, label length, child count,
 //! first two child keys, two child ids) and 16 bytes only writers use (parent, LRU links, end
-//! depth + end-of-prompt mark). A node with more than two children keeps them in overflow
+//! depth + end-of-prompt mark), plus a 4-byte insertion stamp in a side array (writers only;
+//! see Eviction). A node with more than two children keeps them in overflow
 //! blocks of 12 that take slots too. Nodes exist exactly at chunk boundaries, prompt ends and
 //! branch points, so the shape is a function of the stored set (the proptests check node
 //! count, byte count, LRU order and every `match_len` against a naive model).
 //!
 //! "Node" in `max_nodes` / `node_count` means such a slot, so the cap bounds memory whatever the
-//! prompts look like: at most 96 B x (cap + the chains being inserted) + a directory of
-//! 8 B per 1024 slots. At the 1M default that is 91.6 MiB (filled with chat prompts: 96.1 B
-//! per node, 1.64 B per stored prompt byte).
+//! prompts look like: at most 100 B x (cap + the chains being inserted) + a directory of 8 B
+//! per 1024 slots. At the 1M default that is 95.4 MiB (filled with chat prompts: 100.1 B per
+//! node, 1.71 B per stored prompt byte).
 //!
 //! # Eviction
 //! Every stored prompt is an LRU entry on its end node; inserting it again moves it to the
@@ -30,6 +31,19 @@
 //! are never freed, and the new prompt's own path is never a victim. A prompt longer than
 //! `max_nodes x 64` bytes is **truncated** to that length (its prefix is what routing scores),
 //! so alone it fits exactly; empty prompts are ignored. `set_max_nodes` prunes immediately.
+//!
+//! The LRU is one list per thread stripe (a thread appends what it inserts, or re-inserts,
+//! to its own list), each ordered by an insertion stamp taken under the writer lock, so the
+//! global order is exact: the oldest prompt is the list head with the oldest stamp. Which
+//! prompt goes: the evicting thread's own oldest, unless another list's head is older by more
+//! than `prompt_count / 64` insertions, in which case that (the global oldest) goes. So with
+//! one thread inserting (and in every proptest) the order is exactly least-recently-inserted;
+//! across threads a victim is never more than 1/64 of the stored prompts (~1.6%) younger than
+//! the oldest one, and a thread that stops inserting has its prompts evicted in exact order
+//! by the others. (Stamps are 32-bit, compared by wrapping age: exact while the stored prompts
+//! span fewer than 2^30 insertions.) Why: with one list, every append wrote the tail entry
+//! the other thread had just appended, and both threads' pre-lock `warm` read the same next
+//! victims that one of them then rewrote.
 //!
 //! # Concurrency: why this design
 //! Chat prompts share their first kilobytes (role tag, system prompt), so striping by leading
@@ -47,17 +61,19 @@
 //! - **Writers serialise on one per-trie mutex and keep it short.** Before locking, an insert
 //!   walks optimistically to where its prompt leaves the trie, allocates (from its thread's
 //!   own free stack, see below) and fills the nodes of its new suffix (private until linked),
-//!   and touches
-//!   the next eviction victims, the coldest memory in the trie, so their DRAM misses overlap
-//!   other threads' work. Under the lock it only checks that the node it stopped at is
-//!   unchanged (else re-walks), links the suffix, updates the LRU, evicts and stores the
-//!   writer's state (LRU ends, counters) back into atomics on the lock's own cache line, so a
-//!   write moves one line of shared writer state between cores. The getters read those atomics
-//!   and never lock.
+//!   and touches the next eviction victims of its own LRU list, the coldest memory in the
+//!   trie, so their DRAM misses overlap other threads' work. Under the lock it only checks that
+//!   the node it stopped at is unchanged (else re-walks), links the suffix, appends to its own
+//!   LRU list (own lines), evicts, and stores the writer's state (counters, stamp, each list's
+//!   head stamp) back into atomics on the lock's own cache line, so a write moves one line of
+//!   shared writer state between cores. The getters read those atomics and never lock.
 //! - Free slots sit on per-thread-stripe stacks, each behind its own lock on its own lines; a
-//!   thread allocates from the stack its evictions free to (stealing from the others before
-//!   the arena grows, under a separate arena lock), so in steady state allocation and freeing
-//!   touch no line another thread writes.
+//!   thread allocates from the stack its evictions free to, so in steady state allocation and
+//!   freeing touch no line another thread writes. A thread whose stack runs short steals from
+//!   the others before the arena grows (under a separate arena lock). Two threads on one trie
+//!   steal on ~20% of inserts (counted; ~45% right after a one-thread fill), yet letting a
+//!   short stack grow the arena into a slack of `max_nodes / 256` slots first (steals < 1%)
+//!   measured worse: projected 2-thread speedup 1.23-1.27x with it vs 1.52x without.
 //! - Rules every writer step follows (the concurrent tests caught each one being broken): change
 //!   nodes top-down, parent before child, each inside its seqlock (a walk validates a parent
 //!   after reading its child's version); any node unlinked gets a new version inside the same
@@ -77,7 +93,8 @@
 //! on two threads (the holder could not keep up with the other thread's cache-cold work);
 //! spinning longer before sleeping on the writer lock only burned CPU on this shared machine
 //! (measured again: try_lock with pauses for up to ~13 us before the futex took the projected
-//! two-thread speedup from ~1.5x to ~1.0x under load, spinning on a preempted holder).
+//! two-thread speedup from ~1.5x to ~1.0x under load, spinning on a preempted holder; but see
+//! the two phases under Measured: 10x and 100x the pre-spin measured the same here).
 //!
 //! # Measured
 //! `cargo bench --bench trie` on the shared 2-vCPU AMD EPYC (Zen 5) VM, load average 1-5 from
@@ -88,20 +105,44 @@
 //!   so a fragmented path): 0.62-0.71 us. A 16-target routing decision is 16 of these.
 //! - `insert` at steady state (trie at its cap, so including evictions): 8 KiB prompt with 0 /
 //!   50 / 90% already stored 6.1 / 2.9 / 1.7 us; 1 KiB ~1 us; 64 KiB 37 / 22 / 6 us.
-//! - Memory at the 1M-node cap: 91.6 MiB (96.1 B per node, 1.64 B per stored prompt byte).
+//! - Memory at the 1M-node cap: 95.4 MiB (100.1 B per node, 1.71 B per stored prompt byte);
+//!   91.6 MiB before the stamp side array.
 //! - Two threads: matches scale perfectly (two match-only threads each cost what one does) and
 //!   a writer does not slow a concurrent matcher. Two threads each doing match + insert on the
 //!   same trie (the 1:1 worst case; a route does ~16 matches per insert; `-- concurrent`) do
-//!   not reach the 1.6x target: with both threads really running at once (no preemption)
-//!   1.22-1.26x projected for dedicated cores (one op costs ~1.6x the CPU of a single
-//!   thread's ~1.9 us, ~60 ns asleep on the writer lock); 0.9-1.07x before the pre-spin.
-//!   Separate tries: ~1.95x. Walks never
-//!   restart (counted) and the lock is contended on ~1% of inserts; the extra CPU is spread
-//!   over single-line transfers: the writer line, the LRU tail's and the shared id-branch
-//!   nodes' bookkeeping, victims another thread's `warm` also read. Per-stripe allocator locks and the counters on the writer line did not move it outside
-//!   the noise. Removing the rest needs per-node writer locks (the seqlock versions as CAS
-//!   locks) so inserts on different paths and evictions proceed in parallel, and per-thread
-//!   LRU lists merged by an insertion stamp; not done.
+//!   not reach the 1.6x target. This machine has two phases, lasting seconds to many minutes
+//!   and switching abruptly (once mid-run), in the old code as much as in this one: in the
+//!   good one the projected same-trie speedup is 1.38-1.44x with a single LRU list and
+//!   1.52-1.54x with the per-stripe lists (full `-- concurrent` runs interleaved in one
+//!   sitting); in the bad one every part of a same-trie op, even the read-only match walk,
+//!   costs 1.6-2x and 8% of lock acquisitions sleep instead of 1.5%: 0.70-0.79x with one
+//!   list, 0.83-0.86x with per-stripe lists. Separate tries: ~1.95x in both phases, so the bad
+//!   phase only hurts threads sharing lines (host placement of the vCPUs is the suspect; not
+//!   found). Walks never restart (counted).
+//! - Where the extra ~0.6 us of an op goes (good phase, mature tries, rdtsc per section, ops
+//!   over 10 us dropped; same trie vs separate tries, ~1.65 us an op): match walk +105 ns,
+//!   insert walk +0-45, chain prebuild +80, `warm` +127, taking the writer lock +175 (~20% of
+//!   inserts find it held: the wait, plus moving the writer line every insert), critical
+//!   section +110, deferred frees +12. What still bounces: the writer line; the nodes just
+//!   below the system prompt where conversations branch off (every walk passes them, both
+//!   threads add and evict conversations under them, eviction climbs end there); slots stolen
+//!   from the other thread's free stack (~20% of inserts); metadata lines holding slots of
+//!   both threads' chains (4 slots per 16-byte-entry line). Removing the writer line and
+//!   the lock wait needs per-node writer locks (the seqlock versions as CAS locks) so inserts
+//!   and evictions on different paths proceed in parallel; not done.
+//! - Tried and dropped (projected same-trie speedup, interleaved in one sitting): evicting
+//!   exactly the oldest list head (no window) 1.36-1.45x vs 1.50-1.59x windowed, as victims
+//!   then alternate between the threads' lists; growing the arena into a slack of cap/256
+//!   slots before stealing (steals < 1%) 1.23-1.27x vs 1.52x; no `warm` 1.22x vs 1.44x;
+//!   `warm` deciding from a flag instead of reading the writer line 1.43-1.46x vs 1.49-1.60x;
+//!   10x or 100x longer pre-spin: no change (1.55-1.58x), and the bad phase still comes;
+//!   per-CPU stripes (RDTSCP's TSC_AUX) 1.19-1.23x vs 1.06-1.09x in the same (slack) sitting,
+//!   but a thread moving between cores would then split its prompts over lists and lose the
+//!   exact single-thread order; `warm` also touching the next victims' stamps and the labels
+//!   a merge reads: inconclusive (1.23 / 1.45x vs 1.35 / 1.31x); giving a new thread the
+//!   stripe of an exited one (the bench replaces its workers every run, so they rotate
+//!   through all lists and stacks): 1.46x vs 1.41x in long runs, not clearly better, and it
+//!   happened to move `run_chain` so that long matches ran ~15% slower (code placement only).
 
 use parking_lot::Mutex;
 use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
@@ -145,6 +186,19 @@ const WARM_SLACK: usize = 16;
 /// Free-slot stacks, one per thread stripe (threads are assigned round-robin): enough that
 /// the few threads inserting into one trie at a time rarely share a stack.
 const FREE_STRIPES: usize = 4;
+
+/// LRU lists, one per thread stripe: a thread appends the prompts it inserts to its own list.
+const LRU_LISTS: usize = FREE_STRIPES;
+const _: () = assert!(LRU_LISTS.is_power_of_two());
+
+/// Insertion stamps advance by this much; the low bits of an entry's stamp name its list.
+const STAMP_STEP: u32 = LRU_LISTS as u32;
+const LIST_MASK: u32 = STAMP_STEP - 1;
+
+/// A thread evicts its own list's oldest prompt unless another list's oldest is older by more
+/// than `prompt_count / EVICT_WINDOW_DIV` insertions (then that one goes): exact order while a
+/// single thread inserts, within ~1.6% of the stored prompts across threads.
+const EVICT_WINDOW_DIV: usize = 64;
 
 /// Evicted runs whose freeing can wait until the writer lock is released (more are freed in
 /// place): an insert typically evicts one or two prompts.
@@ -219,6 +273,9 @@ struct Segment {
     labels: [Label; SEG_SLOTS],
     metas: [Meta; SEG_SLOTS],
     wm: [WSlot; SEG_SLOTS],
+    /// Insertion stamp of each terminal slot (`STAMP_STEP` per insertion, list index in the
+    /// low bits); writer-only, like `wm`. A side array: the 96-byte slot has no room left.
+    stamps: [AtomicU32; SEG_SLOTS],
 }
 
 /// Segment directory. Replaced (never mutated in place beyond its slots) when it grows; old
@@ -261,6 +318,18 @@ impl Dir {
         let seg = unsafe { &*seg };
         Some(&seg.wm[id as usize & (SEG_SLOTS - 1)])
     }
+
+    /// The insertion stamp of slot `id`, if its segment exists in this directory.
+    #[inline]
+    fn stamp(&self, id: u32) -> Option<&AtomicU32> {
+        let seg = self.segs.get((id >> SEG_SHIFT) as usize)?.load(Acquire);
+        if seg.is_null() {
+            return None;
+        }
+        // SAFETY: as in `slot`.
+        let seg = unsafe { &*seg };
+        Some(&seg.stamps[id as usize & (SEG_SLOTS - 1)])
+    }
 }
 
 /// Writer bookkeeping of one slot, never read by matchers. Stored under the writer lock, or by
@@ -280,12 +349,16 @@ struct WSlot {
 /// when it ends.
 #[derive(Clone, Copy)]
 struct Writer {
-    lru_head: u32,
-    lru_tail: u32,
     nodes: usize,
     bytes: usize,
     prompts: usize,
     evictions: u64,
+    /// Next insertion stamp (a multiple of `STAMP_STEP`).
+    stamp: u32,
+    /// Bit `l` set if LRU list `l` is non-empty.
+    nonempty: u32,
+    /// Stamp of each non-empty list's head (its oldest prompt).
+    head_stamp: [u32; LRU_LISTS],
 }
 
 /// Arena growth: high-water mark, segments and directories. Behind its own lock, taken only
@@ -393,6 +466,10 @@ pub struct PrefixTrie {
     /// are the ones whose lines it last wrote. Lock order: writer, then one stack at a time,
     /// then the arena.
     free: [Padded<Mutex<u32>>; FREE_STRIPES],
+    /// Ends of the LRU lists (guarded by the writer lock), one per thread stripe on its own
+    /// lines: a thread appends what it inserts to its own list and usually evicts from it, so
+    /// the tail link it writes and the head it pops are lines it wrote itself.
+    lru: [Padded<LruEnds>; LRU_LISTS],
     arena: Padded<Mutex<Arena>>,
     /// Heap bytes held (changes only when the arena grows).
     mem: AtomicUsize,
@@ -414,9 +491,18 @@ struct Stats {
     bytes: AtomicUsize,
     prompts: AtomicUsize,
     evictions: AtomicU64,
-    /// The oldest prompt's terminal node (also a hint for `warm`).
-    lru_head: AtomicU32,
-    lru_tail: AtomicU32,
+    /// `Writer::stamp`, `nonempty`, `head_stamp`: on this line (which moves with the lock
+    /// anyway), so choosing the list to evict from reads no other thread's list line.
+    stamp: AtomicU32,
+    nonempty: AtomicU32,
+    head_stamp: [AtomicU32; LRU_LISTS],
+}
+
+/// One LRU list: prompts' terminal nodes, linked through `WSlot::prev` / `next`, oldest first
+/// (by stamp). Guarded by the writer lock; atomics so `warm` may read them racily.
+struct LruEnds {
+    head: AtomicU32,
+    tail: AtomicU32,
 }
 
 /// Own cache-line pair (adjacent-line prefetch pairs lines on x86), against false sharing.
@@ -461,6 +547,31 @@ fn free_stripe() -> usize {
         static STRIPE: usize = NEXT.fetch_add(1, Relaxed) % FREE_STRIPES;
     }
     STRIPE.with(|s| *s)
+}
+
+/// The LRU list to evict from next: this thread's own list, unless another non-empty list's
+/// head is older by more than `prompts / EVICT_WINDOW_DIV` insertions (then the list with the
+/// oldest head). Ages are taken against the next stamp `now`, wrapping, so the order holds
+/// while the stored prompts span fewer than 2^30 insertions.
+fn victim_list(
+    nonempty: u32,
+    head_stamp: &[u32; LRU_LISTS],
+    now: u32,
+    prompts: usize,
+) -> Option<usize> {
+    let age = |l: usize| u64::from(now.wrapping_sub(head_stamp[l]));
+    let oldest = (0..LRU_LISTS)
+        .filter(|&l| nonempty >> l & 1 != 0)
+        .max_by_key(|&l| age(l))?;
+    let own = free_stripe() % LRU_LISTS;
+    let window = (prompts / EVICT_WINDOW_DIV) as u64 * u64::from(STAMP_STEP);
+    Some(
+        if nonempty >> own & 1 != 0 && age(own) + window >= age(oldest) {
+            own
+        } else {
+            oldest
+        },
+    )
 }
 
 #[inline]
@@ -699,11 +810,18 @@ impl PrefixTrie {
                     bytes: AtomicUsize::new(0),
                     prompts: AtomicUsize::new(0),
                     evictions: AtomicU64::new(0),
-                    lru_head: AtomicU32::new(NIL),
-                    lru_tail: AtomicU32::new(NIL),
+                    stamp: AtomicU32::new(0),
+                    nonempty: AtomicU32::new(0),
+                    head_stamp: std::array::from_fn(|_| AtomicU32::new(0)),
                 },
             }),
             free: std::array::from_fn(|_| Padded(Mutex::new(NIL))),
+            lru: std::array::from_fn(|_| {
+                Padded(LruEnds {
+                    head: AtomicU32::new(NIL),
+                    tail: AtomicU32::new(NIL),
+                })
+            }),
             arena: Padded(Mutex::new(Arena {
                 high: 0,
                 segments: 0,
@@ -820,12 +938,13 @@ impl PrefixTrie {
     fn load_writer(&self) -> Writer {
         let st = &self.writer.stats;
         Writer {
-            lru_head: st.lru_head.load(Relaxed),
-            lru_tail: st.lru_tail.load(Relaxed),
             nodes: st.nodes.load(Relaxed),
             bytes: st.bytes.load(Relaxed),
             prompts: st.prompts.load(Relaxed),
             evictions: st.evictions.load(Relaxed),
+            stamp: st.stamp.load(Relaxed),
+            nonempty: st.nonempty.load(Relaxed),
+            head_stamp: std::array::from_fn(|l| st.head_stamp[l].load(Relaxed)),
         }
     }
 
@@ -1040,6 +1159,10 @@ impl PrefixTrie {
         self.dir().ws(id).expect("allocated slot id in range")
     }
 
+    fn stamp_at(&self, id: u32) -> &AtomicU32 {
+        self.dir().stamp(id).expect("allocated slot id in range")
+    }
+
     /// Node slots in use: trie nodes plus overflow child blocks of nodes with > 2 children.
     pub fn node_count(&self) -> usize {
         self.writer.stats.nodes.load(Relaxed)
@@ -1090,7 +1213,16 @@ impl PrefixTrie {
         // Visit about as many nodes as the insert will need freed, plus slack for prompts
         // whose eviction frees nothing (their path is shared with a newer prompt).
         let mut budget = 2 * new_slots + WARM_SLACK;
-        let mut victim = self.writer.stats.lru_head.load(Relaxed);
+        let st = &self.writer.stats;
+        let Some(l) = victim_list(
+            st.nonempty.load(Relaxed),
+            &std::array::from_fn(|l| st.head_stamp[l].load(Relaxed)),
+            st.stamp.load(Relaxed),
+            st.prompts.load(Relaxed),
+        ) else {
+            return;
+        };
+        let mut victim = self.lru[l].head.load(Relaxed);
         while budget > 0 {
             let Some(vw) = dir.ws(victim) else {
                 return;
@@ -1301,8 +1433,11 @@ impl<'a> Ctx<'a> {
         st.bytes.store(self.w.bytes, Relaxed);
         st.prompts.store(self.w.prompts, Relaxed);
         st.evictions.store(self.w.evictions, Relaxed);
-        st.lru_head.store(self.w.lru_head, Relaxed);
-        st.lru_tail.store(self.w.lru_tail, Relaxed);
+        st.stamp.store(self.w.stamp, Relaxed);
+        st.nonempty.store(self.w.nonempty, Relaxed);
+        for (a, &v) in st.head_stamp.iter().zip(&self.w.head_stamp) {
+            a.store(v, Relaxed);
+        }
     }
 
     // ---- slots -------------------------------------------------------------------------
@@ -1563,29 +1698,45 @@ impl<'a> Ctx<'a> {
 
     // ---- LRU by insertion ----------------------------------------------------------------
 
+    /// Append `id` to this thread's list with the next stamp.
     fn lru_push_back(&mut self, id: u32) {
-        let tail = self.w.lru_tail;
+        let l = free_stripe() % LRU_LISTS;
+        let stamp = self.w.stamp | l as u32;
+        self.w.stamp = self.w.stamp.wrapping_add(STAMP_STEP);
+        self.t.stamp_at(id).store(stamp, Relaxed);
+        let ends = &self.t.lru[l];
+        let tail = ends.tail.load(Relaxed);
         let e = self.ws(id);
         e.prev.store(tail, Relaxed);
         e.next.store(NIL, Relaxed);
         if tail == NIL {
-            self.w.lru_head = id;
+            ends.head.store(id, Relaxed);
+            self.w.head_stamp[l] = stamp;
+            self.w.nonempty |= 1 << l;
         } else {
             self.ws(tail).next.store(id, Relaxed);
         }
-        self.w.lru_tail = id;
+        ends.tail.store(id, Relaxed);
     }
 
+    /// Unlink `id` from its list (named by its stamp's low bits).
     fn lru_remove(&mut self, id: u32) {
+        let l = (self.t.stamp_at(id).load(Relaxed) & LIST_MASK) as usize;
+        let ends = &self.t.lru[l];
         let e = self.ws(id);
         let (prev, next) = (e.prev.load(Relaxed), e.next.load(Relaxed));
         if prev == NIL {
-            self.w.lru_head = next;
+            ends.head.store(next, Relaxed);
+            if next == NIL {
+                self.w.nonempty &= !(1 << l);
+            } else {
+                self.w.head_stamp[l] = self.t.stamp_at(next).load(Relaxed);
+            }
         } else {
             self.ws(prev).next.store(next, Relaxed);
         }
         if next == NIL {
-            self.w.lru_tail = prev;
+            ends.tail.store(prev, Relaxed);
         } else {
             self.ws(next).prev.store(prev, Relaxed);
         }
@@ -1593,7 +1744,7 @@ impl<'a> Ctx<'a> {
 
     fn mark_terminal(&mut self, id: u32) {
         if self.is_terminal(id) {
-            if self.w.lru_tail != id {
+            if self.t.lru[free_stripe() % LRU_LISTS].tail.load(Relaxed) != id {
                 self.lru_remove(id);
                 self.lru_push_back(id);
             }
@@ -1683,21 +1834,24 @@ impl<'a> Ctx<'a> {
     // ---- eviction ----------------------------------------------------------------------------
 
     fn evict_to(&mut self, cap: usize) {
-        while self.w.nodes > cap && self.w.lru_head != NIL {
+        while self.w.nodes > cap && self.w.nonempty != 0 {
             self.evict_oldest();
         }
     }
 
-    /// Drop the least-recently-inserted prompt and the nodes only it used; re-compress.
+    /// Drop the least-recently-inserted prompt (of the list `victim_list` picks) and the nodes
+    /// only it used; re-compress.
     fn evict_oldest(&mut self) {
-        let t = self.w.lru_head;
+        let w = &self.w;
+        let l = victim_list(w.nonempty, &w.head_stamp, w.stamp, w.prompts).expect("non-empty");
+        let t = self.t.lru[l].head.load(Relaxed);
         self.lru_remove(t);
         self.ws(t).end.fetch_and(!TERMINAL, Relaxed);
         self.w.prompts -= 1;
         self.w.evictions += 1;
         // The next victim's lines are cold (it is the oldest prompt): fetch them now so the
         // next eviction does not start with a chain of DRAM misses.
-        self.prefetch_slot(self.w.lru_head, 0);
+        self.prefetch_slot(self.t.lru[l].head.load(Relaxed), 0);
         if shape_nkids(self.shape(t)) > 0 {
             self.compress(t);
             return;
@@ -1896,15 +2050,47 @@ impl PrefixTrie {
             }
         }
         assert_eq!(free + seen.len(), self.arena.lock().high, "slots leaked");
-        let mut out = Vec::new();
-        let (mut cur, mut prev) = (cx.w.lru_head, NIL);
-        while cur != NIL {
-            assert_eq!(cx.ws(cur).prev.load(Relaxed), prev, "lru back link");
-            out.push(paths.remove(&cur).expect("lru entry is a live terminal"));
-            (prev, cur) = (cur, cx.ws(cur).next.load(Relaxed));
+        // Every list: linked both ways, its own entries only, stamps increasing, its cached
+        // head stamp and non-empty bit right. Stored prompts are returned oldest first (merged
+        // by stamp age, which is exact insertion order).
+        let mut entries = Vec::new();
+        let age = |s: u32| cx.w.stamp.wrapping_sub(s);
+        for l in 0..LRU_LISTS {
+            let ends = &self.lru[l];
+            let (mut cur, mut prev) = (ends.head.load(Relaxed), NIL);
+            assert_eq!(
+                cx.w.nonempty >> l & 1 != 0,
+                cur != NIL,
+                "non-empty bit of list {l}"
+            );
+            if cur != NIL {
+                assert_eq!(
+                    cx.w.head_stamp[l],
+                    self.stamp_at(cur).load(Relaxed),
+                    "head stamp"
+                );
+            }
+            while cur != NIL {
+                assert_eq!(cx.ws(cur).prev.load(Relaxed), prev, "lru back link");
+                let s = self.stamp_at(cur).load(Relaxed);
+                assert_eq!((s & LIST_MASK) as usize, l, "stamp names its list");
+                if prev != NIL {
+                    assert!(
+                        age(s) < age(self.stamp_at(prev).load(Relaxed)),
+                        "list order"
+                    );
+                }
+                entries.push((
+                    age(s),
+                    paths.remove(&cur).expect("lru entry is a live terminal"),
+                ));
+                (prev, cur) = (cur, cx.ws(cur).next.load(Relaxed));
+            }
+            assert_eq!(prev, ends.tail.load(Relaxed), "tail of list {l}");
         }
-        assert_eq!(prev, cx.w.lru_tail);
         assert!(paths.is_empty(), "terminal missing from lru");
+        entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+        let out: Vec<Vec<u8>> = entries.into_iter().map(|(_, p)| p).collect();
         assert_eq!(self.node_count(), nodes);
         out
     }
@@ -2544,6 +2730,102 @@ mod tests {
             high <= cap + 1 + THREADS as usize * 64,
             "arena grew to {high}"
         );
+    }
+
+    /// Run `f` on a new thread whose stripe differs from this thread's (so it appends to
+    /// another LRU list and frees to another stack).
+    fn on_other_stripe<T: Send + 'static>(f: impl Fn() -> T + Send + Clone + 'static) -> T {
+        let mine = free_stripe();
+        loop {
+            let f = f.clone();
+            let r = std::thread::spawn(move || (free_stripe() != mine).then(f))
+                .join()
+                .unwrap();
+            if let Some(r) = r {
+                return r;
+            }
+        }
+    }
+
+    #[test]
+    fn eviction_takes_the_oldest_prompt_whichever_thread_inserted_it() {
+        // This thread's prompts sit on its LRU list, the other thread's on another one; with
+        // fewer than EVICT_WINDOW_DIV prompts stored the window is zero, so the victim must be
+        // the oldest head by stamp: the model's order exactly, across threads and refreshes.
+        let (cap, k) = (40, 4);
+        let t = Arc::new(PrefixTrie::with_label_bytes(cap, k));
+        let mut m = Model::new(cap, k);
+        let mine: Vec<Vec<u8>> = (0..12).map(|i| prompt(i, b"a:", 6)).collect();
+        let theirs: Vec<Vec<u8>> = (0..30).map(|i| prompt(100 + i, b"b:", 6)).collect();
+        for p in &mine {
+            t.insert(p);
+            m.insert(p);
+        }
+        // Refresh a few of this thread's prompts from the other thread (they move lists).
+        let moved: Vec<Vec<u8>> = mine[..3].to_vec();
+        let t2 = t.clone();
+        let mv = moved.clone();
+        on_other_stripe(move || mv.iter().for_each(|p| t2.insert(p)));
+        moved.iter().for_each(|p| m.insert(p));
+        assert_agrees(&t, &m, &mine);
+        // The other thread now inserts enough to evict: this thread's untouched prompts are the
+        // oldest and must go first, then the moved ones, then the other thread's own.
+        let t2 = t.clone();
+        let th = theirs.clone();
+        on_other_stripe(move || th.iter().for_each(|p| t2.insert(p)));
+        theirs.iter().for_each(|p| m.insert(p));
+        assert!(t.evictions() > 12, "evicted {}", t.evictions());
+        assert_agrees(&t, &m, &theirs);
+        // And this thread evicting (its own list now empty or young) takes the other's oldest.
+        for i in 0..10 {
+            let p = prompt(500 + i, b"c:", 6);
+            t.insert(&p);
+            m.insert(&p);
+        }
+        assert_agrees(&t, &m, &theirs);
+    }
+
+    #[test]
+    fn lru_lists_stay_sound_when_threads_refresh_each_others_prompts() {
+        // Four threads (four lists) re-insert prompts from one pool under a small cap, so
+        // prompts keep moving between lists, heads are evicted from lists other threads
+        // append to, and lists run empty and refill. `check` verifies every list's links,
+        // stamps, cached head stamp and non-empty bit.
+        let pool: Arc<Vec<Vec<u8>>> = Arc::new(
+            (0..48u64)
+                .map(|i| prompt(i % 8, b"s:", 4 + 4 * (i as usize / 8)))
+                .collect(),
+        );
+        for round in 0..4u64 {
+            let t = Arc::new(PrefixTrie::with_label_bytes(60, 4));
+            let handles: Vec<_> = (0..4u64)
+                .map(|th| {
+                    let (t, pool) = (t.clone(), pool.clone());
+                    std::thread::spawn(move || {
+                        let mut x = (round * 4 + th + 1) * 0x9e37_79b9;
+                        for i in 0..3000 {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            let p = &pool[(x % pool.len() as u64) as usize];
+                            t.insert(p);
+                            assert!(t.match_len(p) <= p.len());
+                            if i % 1000 == 999 {
+                                t.set_max_nodes(30 + (x % 40) as usize);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            let live = t.check();
+            assert_eq!(live.len(), t.prompt_count());
+            for p in live {
+                assert_eq!(t.match_len(&p), p.len());
+            }
+        }
     }
 
     #[test]
