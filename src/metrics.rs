@@ -91,15 +91,19 @@ impl RouteMetrics {
         }
     }
 
-    /// Count one routing decision with reason number `index` (label `reason`).
+    /// Count one routing decision with reason number `index` (label `reason`). An index
+    /// past the resolved ones (a reason missing from `Reason::ALL`) is counted by lookup
+    /// instead of panicking on the request path.
     pub fn decision(&self, index: usize, reason: &'static str) {
-        self.decisions[index]
-            .get_or_init(|| {
-                METRICS
-                    .decisions
-                    .with_label_values(&[self.strategy, reason])
-            })
-            .inc();
+        let series = || {
+            METRICS
+                .decisions
+                .with_label_values(&[self.strategy, reason])
+        };
+        match self.decisions.get(index) {
+            Some(cell) => cell.get_or_init(series).inc(),
+            None => series().inc(),
+        }
     }
 
     /// Record a decision's prefix score.
@@ -111,19 +115,14 @@ impl RouteMetrics {
 
     /// Count one request answered by target number `index` (label `target`) with `status`.
     pub fn answered(&self, index: usize, target: &str, status: http::StatusCode) {
-        if status == http::StatusCode::OK {
-            self.answered_ok[index]
-                .get_or_init(|| {
-                    METRICS
-                        .requests
-                        .with_label_values(&[&self.route, target, status.as_str()])
-                })
-                .inc();
-        } else {
+        let series = || {
             METRICS
                 .requests
                 .with_label_values(&[&self.route, target, status.as_str()])
-                .inc();
+        };
+        match self.answered_ok.get(index) {
+            Some(cell) if status == http::StatusCode::OK => cell.get_or_init(series).inc(),
+            _ => series().inc(),
         }
     }
 }
@@ -417,7 +416,8 @@ mod tests {
         let hits0 = hits();
         m.decision(2, "rm-test-reason");
         m.decision(2, "rm-test-reason");
-        assert_eq!(hits() - hits0, 2);
+        m.decision(7, "rm-test-reason"); // past the resolved reasons: looked up, no panic
+        assert_eq!(hits() - hits0, 3);
 
         let scores = || {
             METRICS
