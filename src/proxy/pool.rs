@@ -42,7 +42,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 
-/// How often the sweeper looks for stacks no request touched lately.
+/// How often the sweeper visits every stack.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Idle connections to every upstream, and the connector for new ones.
@@ -189,19 +189,13 @@ async fn sweep_forever(stacks: Weak<DashMap<SocketAddr, Arc<IdleStack>>>, timeou
 }
 
 fn sweep(stack: &IdleStack, idle_timeout: Duration, now: Instant) {
-    let mut gone = Vec::new();
-    {
-        let mut conns = stack.conns.lock();
-        let mut i = 0;
-        while i < conns.len() {
-            let c = &mut conns[i];
-            if now.duration_since(c.since) >= idle_timeout || !still_open(&mut c.stream) {
-                gone.push(conns.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-    }
+    let gone: Vec<Idle> = stack
+        .conns
+        .lock()
+        .extract_if(.., |c| {
+            now.duration_since(c.since) >= idle_timeout || !still_open(&mut c.stream)
+        })
+        .collect();
     drop(gone); // closed outside the lock
 }
 
