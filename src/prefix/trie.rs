@@ -2660,6 +2660,40 @@ mod tests {
         }
     }
 
+    /// `threads` threads each re-insert `ops` prompts drawn at random (xorshift seeded from
+    /// `seed` and the thread number) from `pool` into `t`, checking every match stays within
+    /// its prompt; `every_op(i, x)` runs after each insert with the op number and the random
+    /// state. Returns once all have joined.
+    fn reinsert_from_pool(
+        t: &Arc<PrefixTrie>,
+        pool: &Arc<Vec<Vec<u8>>>,
+        threads: u64,
+        ops: usize,
+        seed: u64,
+        every_op: fn(&PrefixTrie, usize, u64),
+    ) {
+        let handles: Vec<_> = (0..threads)
+            .map(|th| {
+                let (t, pool) = (t.clone(), pool.clone());
+                std::thread::spawn(move || {
+                    let mut x = (seed * threads + th + 1) * 0x9e37_79b9;
+                    for i in 0..ops {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let p = &pool[(x % pool.len() as u64) as usize];
+                        t.insert(p);
+                        assert!(t.match_len(p) <= p.len());
+                        every_op(&t, i, x);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
     #[test]
     fn inserts_never_attach_to_a_run_another_thread_just_evicted() {
         // Regression: an insert validated its walk by the version of the node it stopped at,
@@ -2674,25 +2708,7 @@ mod tests {
         );
         for round in 0..6u64 {
             let t = Arc::new(PrefixTrie::with_label_bytes(24, 4));
-            let handles: Vec<_> = (0..2u64)
-                .map(|th| {
-                    let (t, pool) = (t.clone(), pool.clone());
-                    std::thread::spawn(move || {
-                        let mut x = (round * 2 + th + 1) * 0x9e37_79b9;
-                        for _ in 0..4000 {
-                            x ^= x << 13;
-                            x ^= x >> 7;
-                            x ^= x << 17;
-                            let p = &pool[(x % pool.len() as u64) as usize];
-                            t.insert(p);
-                            assert!(t.match_len(p) <= p.len());
-                        }
-                    })
-                })
-                .collect();
-            for h in handles {
-                h.join().unwrap();
-            }
+            reinsert_from_pool(&t, &pool, 2, 4000, round, |_, _, _| {});
             for p in t.check() {
                 assert_eq!(t.match_len(&p), p.len());
             }
@@ -2798,28 +2814,11 @@ mod tests {
         );
         for round in 0..4u64 {
             let t = Arc::new(PrefixTrie::with_label_bytes(60, 4));
-            let handles: Vec<_> = (0..4u64)
-                .map(|th| {
-                    let (t, pool) = (t.clone(), pool.clone());
-                    std::thread::spawn(move || {
-                        let mut x = (round * 4 + th + 1) * 0x9e37_79b9;
-                        for i in 0..3000 {
-                            x ^= x << 13;
-                            x ^= x >> 7;
-                            x ^= x << 17;
-                            let p = &pool[(x % pool.len() as u64) as usize];
-                            t.insert(p);
-                            assert!(t.match_len(p) <= p.len());
-                            if i % 1000 == 999 {
-                                t.set_max_nodes(30 + (x % 40) as usize);
-                            }
-                        }
-                    })
-                })
-                .collect();
-            for h in handles {
-                h.join().unwrap();
-            }
+            reinsert_from_pool(&t, &pool, 4, 3000, round, |t, i, x| {
+                if i % 1000 == 999 {
+                    t.set_max_nodes(30 + (x % 40) as usize);
+                }
+            });
             let live = t.check();
             assert_eq!(live.len(), t.prompt_count());
             for p in live {
