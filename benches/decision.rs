@@ -2,13 +2,26 @@
 //! 4 / 16 / 64 warm targets for an 8 KiB prompt, then `record` (insert into the winner's
 //! trie) — what the request path does per request, minus I/O.
 //!
-//! Run: `cargo bench --bench decision`.
+//!
+//! `decision_concurrent/<targets>`: the same select + record over 2 and 16 targets from 1 thread and from
+//! 2 threads sharing the route (one strategy, one set of tries), each thread serving its own
+//! growing multi-turn chats (the `trie` bench's `concurrent` workload), so later turns return
+//! to their cached target and first turns spread over the fleet: the insert + match load the
+//! gateway's worker threads put on the routing core. Tries are capped at 100k nodes so they
+//! reach steady-state eviction during setup. Afterwards interleaved A/B rounds print the
+//! 2-thread throughput speedup, wall-clock and projected for two dedicated cores (as in the
+//! `trie` bench).
+//!
+//! Run: `cargo bench --bench decision` (`-- decision_concurrent` for the 2-thread part only).
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rolter::prefix::PrefixTrie;
 use rolter::routing::{CacheAware, Candidate, FleetView, RouteInput, Strategy};
 use std::hint::black_box;
 use std::time::Duration;
+
+mod common;
+use common::{run_accounted, Chats, Rng, Split, SYSTEM_BYTES};
 
 /// Prompt size from issue 4's target ("an 8 KiB prompt over 16 targets").
 const PROMPT_BYTES: usize = 8 << 10;
@@ -73,5 +86,93 @@ fn decision(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decision);
+/// Fleet sizes of the concurrent route bench: the smallest fleet cache-aware routing has a
+/// choice in (each trie takes half the inserts) and issue 4's decision target's 16.
+const ROUTE_TARGETS: [usize; 2] = [2, 16];
+/// Node cap per trie in the concurrent route bench.
+const ROUTE_TRIE_CAP: usize = 100_000;
+
+fn concurrent(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision_concurrent");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    g.throughput(Throughput::Elements(1));
+    for targets in ROUTE_TARGETS {
+        concurrent_route(&mut g, targets);
+    }
+    g.finish();
+}
+
+fn concurrent_route(
+    g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>,
+    targets: usize,
+) {
+    let tries: Vec<PrefixTrie> = (0..targets)
+        .map(|_| PrefixTrie::new(ROUTE_TRIE_CAP))
+        .collect();
+    let labels: Vec<String> = (0..targets).map(|i| format!("t{i}")).collect();
+    let candidates: Vec<Candidate> = tries
+        .iter()
+        .zip(&labels)
+        .map(|(t, l)| Candidate {
+            eligible: true,
+            weight: 1,
+            prefix: Some(t),
+            label: l,
+            ..Default::default()
+        })
+        .collect();
+    let view = FleetView::new(&candidates);
+    let strategy = CacheAware::default();
+    let op = |_: usize, chats: &mut Chats| {
+        let input = RouteInput {
+            prompt: chats.next(),
+            ..Default::default()
+        };
+        let d = strategy.select(&input, &view).expect("a target");
+        strategy.record(&input, &view, &d);
+        black_box(d);
+    };
+    let system = Rng(42).text(SYSTEM_BYTES);
+    let mut one: Vec<Chats> = vec![Chats::new(&system, 0)];
+    let mut two: Vec<Chats> = vec![Chats::new(&system, 1), Chats::new(&system, 2)];
+    // Fill until every trie evicts: the steady state a long-running gateway is in.
+    while tries.iter().any(|t| t.evictions() == 0) {
+        run_accounted(&mut one, 10_000, op);
+        run_accounted(&mut two, 10_000, op);
+    }
+
+    g.bench_function(BenchmarkId::new("1-thread", targets), |b| {
+        b.iter_custom(|n| run_accounted(&mut one, n, op).0)
+    });
+    g.bench_function(BenchmarkId::new("2-threads", targets), |b| {
+        b.iter_custom(|n| run_accounted(&mut two, n, op).0)
+    });
+
+    let (ops, rounds) = (50_000, 9);
+    let (mut wall, mut proj) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let (t1, s1) = run_accounted(&mut one, ops, op);
+        let (t2, s2): (Duration, Split) = run_accounted(&mut two, ops, op);
+        wall.push(t1.as_secs_f64() / t2.as_secs_f64());
+        proj.push(2.0 * s1.cpu as f64 / (s2.cpu + s2.blocked).max(1) as f64);
+    }
+    for v in [&mut wall, &mut proj] {
+        v.sort_by(f64::total_cmp);
+    }
+    eprintln!(
+        "decision_concurrent A/B ({rounds} interleaved rounds of {ops} decisions over \
+         {targets} targets), median (min..max): wall-clock 2-thread speedup {:.2}x \
+         ({:.2}..{:.2}); projected for 2 dedicated cores {:.2}x ({:.2}..{:.2})",
+        wall[rounds / 2],
+        wall[0],
+        wall[rounds - 1],
+        proj[rounds / 2],
+        proj[0],
+        proj[rounds - 1]
+    );
+}
+
+criterion_group!(benches, decision, concurrent);
 criterion_main!(benches);

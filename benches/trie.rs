@@ -23,7 +23,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rolter::prefix::PrefixTrie;
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
+use common::{run_accounted, Chats, Rng, Split, SYSTEM_BYTES, TURN_BYTES};
 
 /// Prompt sizes from issue 4.
 const SIZES: [(usize, &str); 3] = [(1 << 10, "1KiB"), (8 << 10, "8KiB"), (64 << 10, "64KiB")];
@@ -33,22 +36,6 @@ const SHARES: [usize; 3] = [0, 50, 90];
 const STORED: usize = 64;
 /// Cap for the insert benches: small enough to reach steady-state eviction during setup.
 const INSERT_CAP: usize = 100_000;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Text-like bytes: letters and spaces.
-    fn text(&mut self, n: usize) -> Vec<u8> {
-        (0..n)
-            .map(|_| b"etaoinshrdlucmfwypvbgkqjxz      "[(self.next() % 32) as usize])
-            .collect()
-    }
-}
 
 fn family(rng: &mut Rng, size: usize, share: usize, n: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
     let shared = rng.text(size * share / 100);
@@ -123,63 +110,6 @@ fn bench_insert(c: &mut Criterion) {
     g.finish();
 }
 
-/// System prompt shared by every chat (2 KiB).
-const SYSTEM_BYTES: usize = 2048;
-/// Bytes a turn adds (previous answer + next question).
-const TURN_BYTES: usize = 600;
-/// Turns per conversation before it restarts under a new id.
-const TURNS: usize = 8;
-/// Conversations each worker interleaves.
-const CONVERSATIONS: usize = 32;
-
-/// One worker's stream of chat prompts: op i serves turn `t` of conversation `i % C`; when a
-/// conversation reaches its last turn it restarts under a fresh id (a new chat).
-struct Chats {
-    bufs: Vec<Vec<u8>>,
-    worker: u64,
-    next_id: u64,
-    i: usize,
-}
-
-impl Chats {
-    fn new(system: &[u8], worker: u64) -> Self {
-        let mut rng = Rng(0x5eed + worker * 1_000_003);
-        let bufs = (0..CONVERSATIONS)
-            .map(|_| {
-                let mut b = system.to_vec();
-                b.extend([0u8; 16]);
-                b.extend(rng.text(TURNS * TURN_BYTES));
-                b
-            })
-            .collect();
-        Chats {
-            bufs,
-            worker,
-            next_id: 0,
-            i: 0,
-        }
-    }
-
-    fn next(&mut self) -> &[u8] {
-        let c = self.i % CONVERSATIONS;
-        let turn = (self.i / CONVERSATIONS) % TURNS + 1;
-        self.i += 1;
-        let b = &mut self.bufs[c];
-        if turn == 1 {
-            // A new chat: its first user message differs from every earlier one in the first
-            // few letters (text fans out ~26 ways per byte, not 256).
-            self.next_id += 1;
-            let mut id = self.next_id;
-            for x in &mut b[SYSTEM_BYTES..SYSTEM_BYTES + 15] {
-                *x = b'a' + (id % 26) as u8;
-                id /= 26;
-            }
-            b[SYSTEM_BYTES + 15] = b'0' + (self.worker % 10) as u8;
-        }
-        &b[..SYSTEM_BYTES + 16 + turn * TURN_BYTES]
-    }
-}
-
 fn chat_op(t: &PrefixTrie, chats: &mut Chats) {
     let p = chats.next();
     black_box(t.match_len(p));
@@ -188,50 +118,12 @@ fn chat_op(t: &PrefixTrie, chats: &mut Chats) {
 
 /// Run `ops` chat ops split across the workers, each on its trie; wall time.
 fn run_workers(tries: &[&PrefixTrie], chats: &mut [Chats], ops: u64) -> Duration {
-    run_accounted(tries, chats, ops).0
+    run_on(tries, chats, ops).0
 }
 
-/// This thread's (on-CPU, waiting-for-a-CPU) nanoseconds, from Linux schedstat.
-fn sched_ns() -> Option<(u64, u64)> {
-    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let mut f = s.split_whitespace().map(|x| x.parse::<u64>().ok());
-    Some((f.next()??, f.next()??))
-}
-
-/// Per-op time split, summed over workers: on CPU, runnable but preempted (other processes
-/// on this shared machine), and blocked (sleeping on the trie's writer lock).
-#[derive(Default, Clone, Copy)]
-struct Split {
-    cpu: u64,
-    preempted: u64,
-    blocked: u64,
-}
-
-/// As `run_workers`, plus each worker's time split (zeros where schedstat is unavailable).
-fn run_accounted(tries: &[&PrefixTrie], chats: &mut [Chats], ops: u64) -> (Duration, Split) {
-    let per = ops / chats.len() as u64;
-    let total = std::sync::Mutex::new(Split::default());
-    let start = Instant::now();
-    std::thread::scope(|s| {
-        for (w, ch) in chats.iter_mut().enumerate() {
-            let (t, total) = (tries[w % tries.len()], &total);
-            s.spawn(move || {
-                let t0 = Instant::now();
-                let s0 = sched_ns();
-                for _ in 0..per {
-                    chat_op(t, ch);
-                }
-                let (s1, wall) = (sched_ns(), t0.elapsed().as_nanos() as u64);
-                if let (Some((c0, q0)), Some((c1, q1))) = (s0, s1) {
-                    let mut tot = total.lock().unwrap();
-                    tot.cpu += c1 - c0;
-                    tot.preempted += q1 - q0;
-                    tot.blocked += wall.saturating_sub((c1 - c0) + (q1 - q0));
-                }
-            });
-        }
-    });
-    (start.elapsed(), total.into_inner().unwrap())
+/// As `run_workers`, plus the workers' time split.
+fn run_on(tries: &[&PrefixTrie], chats: &mut [Chats], ops: u64) -> (Duration, Split) {
+    run_accounted(chats, ops, |w, ch| chat_op(tries[w % tries.len()], ch))
 }
 
 fn filled(system: &[u8], workers: u64) -> (PrefixTrie, Vec<Chats>) {
@@ -329,9 +221,9 @@ fn bench_concurrent(c: &mut Criterion) {
     let (mut same, mut sep, mut same_p, mut sep_p) = (vec![], vec![], vec![], vec![]);
     let mut splits = Vec::new();
     for _ in 0..rounds {
-        let (t1, s1) = run_accounted(&[&one], &mut one_chats, ops);
-        let (t2, s2) = run_accounted(&[&same_trie], &mut same_chats, ops);
-        let (t3, s3) = run_accounted(&[&sep_a, &sep_b], &mut sep_chats, ops);
+        let (t1, s1) = run_on(&[&one], &mut one_chats, ops);
+        let (t2, s2) = run_on(&[&same_trie], &mut same_chats, ops);
+        let (t3, s3) = run_on(&[&sep_a, &sep_b], &mut sep_chats, ops);
         same.push(t1.as_secs_f64() / t2.as_secs_f64());
         sep.push(t1.as_secs_f64() / t3.as_secs_f64());
         let proj = |s: Split| 2.0 * s1.cpu as f64 / (s.cpu + s.blocked).max(1) as f64;
