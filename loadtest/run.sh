@@ -9,17 +9,19 @@
 #   loadtest/run.sh                      # all workloads, all strategies
 #   STRATEGIES=round_robin,cache_aware loadtest/run.sh
 #   WORKLOADS="multi-turn" loadtest/run.sh
+#   WORKLOADS="multi-turn-16 multi-turn-16-pressure" loadtest/run.sh   # the 16-replica fleet
 #
 # The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
 # about as much as 20 decode steps (2 ms/token), each replica runs at most 4 requests at once,
 # and caches hold 512 blocks (8,192 tokens) — enough for a replica's share of sessions when
 # related requests stay together, not when they are scattered. The "-pressure" run shrinks the
-# caches to 192 blocks so that evictions are frequent.
+# caches to 192 blocks so that evictions are frequent. The "-16" runs repeat both on 16
+# replicas with four times the sessions and twice the clients (4 per replica instead of 8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STRATEGIES="${STRATEGIES:-round_robin,least_load,cache_aware,pipeline,precise_cache_aware,lmcache_aware}"
-WORKLOADS="${WORKLOADS:-multi-turn multi-turn-pressure few-shot unique}"
+WORKLOADS="${WORKLOADS:-multi-turn multi-turn-pressure multi-turn-16 multi-turn-16-pressure few-shot unique}"
 TARGET="${CARGO_TARGET_DIR:-target}"
 
 cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-load
@@ -28,18 +30,25 @@ BIN=$(mktemp -d /tmp/rolter-run.XXXXXX)
 trap 'rm -rf "$BIN"' EXIT
 cp "$TARGET/release/rolter" "$TARGET/release/rolter-load" "$BIN/"
 
-FLEET=(--replicas 4 --max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
-COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --clients 32 --max-duration-secs 120)
+FLEET=(--max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
+COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 120)
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)
 
 for w in $WORKLOADS; do
+  size=(--replicas 4 --clients 32)
   case "$w" in
     multi-turn)
       args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 512 "${CHAT[@]}") ;;
     multi-turn-pressure)
       args=(--workload multi-turn --sessions 96 --turns 5 --cache-blocks 192 "${CHAT[@]}") ;;
+    multi-turn-16)
+      size=(--replicas 16 --clients 64)
+      args=(--workload multi-turn --sessions 384 --turns 5 --cache-blocks 512 "${CHAT[@]}") ;;
+    multi-turn-16-pressure)
+      size=(--replicas 16 --clients 64)
+      args=(--workload multi-turn --sessions 384 --turns 5 --cache-blocks 192 "${CHAT[@]}") ;;
     few-shot)
       args=(--workload few-shot --requests 400 --prefixes 8 --prefix-tokens 1500 --cache-blocks 512) ;;
     unique)
@@ -48,7 +57,7 @@ for w in $WORKLOADS; do
       echo "unknown workload $w" >&2; exit 2 ;;
   esac
   echo "### $w" >&2
-  "$BIN/rolter-load" compare "${args[@]}" "${FLEET[@]}" "${COMMON[@]}" \
+  "$BIN/rolter-load" compare "${args[@]}" "${size[@]}" "${FLEET[@]}" "${COMMON[@]}" \
     --out "loadtest/reports/$w.md" > /dev/null
 done
 echo "reports in loadtest/reports/" >&2
