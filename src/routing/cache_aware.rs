@@ -102,13 +102,20 @@ pub fn prefix_scores_hinted<'a>(
 /// Least-loaded eligible target; among equally loaded ones the least warmed.
 pub fn least_loaded_then_coldest(fleet: &FleetView) -> Option<usize> {
     let min = fleet.min_inflight()?;
-    let warmth = |i: usize| fleet.candidates[i].prefix.map_or(0, |t| t.byte_count());
-    let least: Vec<usize> = fleet
+    // Each trie's size read once: other threads insert concurrently, and a second read
+    // could leave no target equal to the minimum of the first.
+    let least: Vec<(usize, usize)> = fleet
         .eligible()
         .filter(|&i| fleet.candidates[i].inflight == min)
+        .map(|i| (i, fleet.candidates[i].prefix.map_or(0, |t| t.byte_count())))
         .collect();
-    let coldest = least.iter().map(|&i| warmth(i)).min()?;
-    pick_random(least.into_iter().filter(|&i| warmth(i) == coldest))
+    let coldest = least.iter().map(|&(_, warmth)| warmth).min()?;
+    pick_random(
+        least
+            .into_iter()
+            .filter(|&(_, warmth)| warmth == coldest)
+            .map(|(i, _)| i),
+    )
 }
 
 /// Among `scored` targets, one with the fewest in flight, at random.
@@ -495,5 +502,41 @@ mod tests {
             assert_eq!(d.reason, Reason::CacheHit);
             assert_eq!(d.target, h, "conversation {conv} left its cached target");
         }
+    }
+
+    /// Other threads insert into (and evict from) the tries while a cold prompt is routed:
+    /// every decision still names a target. (Reading a trie's byte count once for the
+    /// minimum and again to filter let a concurrent insert leave no target at the minimum,
+    /// and the gateway answered 503 "no eligible target".)
+    #[test]
+    fn concurrent_inserts_never_leave_a_cold_prompt_without_a_target() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        let t: Vec<PrefixTrie> = (0..2).map(|_| PrefixTrie::new(200)).collect();
+        let c = fleet(&t, &[0, 0], &[true, true]);
+        let view = FleetView::new(&c);
+        let cs = CacheAware::default();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let p = format!("writer {n} {}", "w".repeat((n % 7 * 40) as usize));
+                    t[(n % 2) as usize].insert(p.as_bytes());
+                }
+            });
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let mut decisions = 0u64;
+            while Instant::now() < deadline && decisions < 2_000_000 {
+                decisions += 1;
+                let d = cs.select(&input(b"a cold prompt nobody has sent"), &view);
+                if d.is_none() {
+                    stop.store(true, Ordering::Relaxed);
+                    panic!("decision {decisions}: no target while the tries changed");
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
     }
 }
