@@ -321,7 +321,13 @@ const KV_STREAM_KINDS: [&str; 13] = [
     "evictions",
 ];
 
-/// Raise a counter mirroring a monotonic source to the source's value.
+/// Held while a scrape mirrors live sources into the registry (`catch_up` reads a counter
+/// and then raises it, so two scrapes at once would both add the same delta). Scrapes
+/// only; never taken on the request path.
+pub static EXPORT_LOCK: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// Raise a counter mirroring a monotonic source to the source's value (under
+/// [`EXPORT_LOCK`]).
 fn catch_up(counter: &prometheus::IntCounter, value: u64) {
     let delta = value.saturating_sub(counter.get());
     if delta > 0 {

@@ -101,11 +101,20 @@ impl Breaker {
             CLOSED => true,
             HALF_OPEN => false,
             _ => {
-                now_ms >= self.blocked_until_ms.load(Ordering::Acquire)
+                let claimed = now_ms >= self.blocked_until_ms.load(Ordering::Acquire)
                     && self
                         .state
                         .compare_exchange(OPEN, HALF_OPEN, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok()
+                        .is_ok();
+                // The OPEN just claimed may be newer than the back-off read above: another
+                // probe was admitted, failed and re-opened the circuit in between (`open`
+                // stores the back-off before the state, so this read sees it). Then the
+                // back-off is not over: give the circuit back.
+                if claimed && now_ms < self.blocked_until_ms.load(Ordering::Acquire) {
+                    self.state.store(OPEN, Ordering::Release);
+                    return false;
+                }
+                claimed
             }
         }
     }

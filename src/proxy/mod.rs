@@ -325,6 +325,7 @@ impl Gateway {
                 }
             }
             "/metrics" => {
+                let _exporting = crate::metrics::EXPORT_LOCK.lock();
                 METRICS.admitted.set(self.admission.inflight() as i64);
                 for (alias, sessions) in self.runtime.registry().session_tables() {
                     METRICS
