@@ -16,7 +16,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rolter::prefix::PrefixTrie;
-use rolter::routing::{CacheAware, Candidate, FleetView, RouteInput, Strategy};
+use rolter::routing::{CacheAware, Candidate, Decision, FleetView, RouteInput, Strategy};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -41,6 +41,38 @@ fn prompts() -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// One eligible, weight-1 candidate per trie, `inflight(i)` requests in flight on the i-th.
+fn candidates<'a>(
+    tries: &'a [PrefixTrie],
+    labels: &'a [String],
+    inflight: impl Fn(usize) -> u64,
+) -> Vec<Candidate<'a>> {
+    tries
+        .iter()
+        .zip(labels)
+        .enumerate()
+        .map(|(i, (t, l))| Candidate {
+            inflight: inflight(i),
+            eligible: true,
+            weight: 1,
+            prefix: Some(t),
+            label: l,
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// What the request path does per request, minus I/O: select, then record the winner.
+fn decide(strategy: &CacheAware, view: &FleetView, prompt: &[u8]) -> Decision {
+    let input = RouteInput {
+        prompt,
+        ..Default::default()
+    };
+    let d = strategy.select(&input, view).expect("a target");
+    strategy.record(&input, view, &d);
+    d
+}
+
 fn decision(c: &mut Criterion) {
     let prompts = prompts();
     let mut group = c.benchmark_group("cache_aware_decision_8KiB");
@@ -55,31 +87,13 @@ fn decision(c: &mut Criterion) {
         for (i, p) in prompts.iter().enumerate() {
             tries[i % targets].insert(p);
         }
-        let candidates: Vec<Candidate> = tries
-            .iter()
-            .zip(&labels)
-            .enumerate()
-            .map(|(i, (t, l))| Candidate {
-                inflight: (i % 3) as u64,
-                eligible: true,
-                weight: 1,
-                prefix: Some(t),
-                label: l,
-                ..Default::default()
-            })
-            .collect();
+        let candidates = candidates(&tries, &labels, |i| (i % 3) as u64);
         let view = FleetView::new(&candidates);
         let mut n = 0usize;
         group.bench_with_input(BenchmarkId::from_parameter(targets), &targets, |b, _| {
             b.iter(|| {
                 n = (n + 1) % prompts.len();
-                let input = RouteInput {
-                    prompt: &prompts[n],
-                    ..Default::default()
-                };
-                let d = strategy.select(&input, &view).expect("a target");
-                strategy.record(&input, &view, &d);
-                black_box(d)
+                black_box(decide(&strategy, &view, &prompts[n]))
             })
         });
     }
@@ -112,27 +126,11 @@ fn concurrent_route(
         .map(|_| PrefixTrie::new(ROUTE_TRIE_CAP))
         .collect();
     let labels: Vec<String> = (0..targets).map(|i| format!("t{i}")).collect();
-    let candidates: Vec<Candidate> = tries
-        .iter()
-        .zip(&labels)
-        .map(|(t, l)| Candidate {
-            eligible: true,
-            weight: 1,
-            prefix: Some(t),
-            label: l,
-            ..Default::default()
-        })
-        .collect();
+    let candidates = candidates(&tries, &labels, |_| 0);
     let view = FleetView::new(&candidates);
     let strategy = CacheAware::default();
     let op = |_: usize, chats: &mut Chats| {
-        let input = RouteInput {
-            prompt: chats.next(),
-            ..Default::default()
-        };
-        let d = strategy.select(&input, &view).expect("a target");
-        strategy.record(&input, &view, &d);
-        black_box(d);
+        black_box(decide(&strategy, &view, chats.next()));
     };
     let system = Rng(42).text(SYSTEM_BYTES);
     let mut one: Vec<Chats> = vec![Chats::new(&system, 0)];
