@@ -7,7 +7,8 @@
 # warms up with 200 requests, zeroes the counters, sends REQUESTS (default 2000) 4 KiB
 # chat requests (64 conversations sharing a system prompt, one keep-alive client),
 # dumps, and prints Ir per request plus the top functions.
-# Usage: loadtest/profile.sh [strategy]   (default cache_aware)
+# Usage: loadtest/profile.sh [strategy]   (default cache_aware; ROLTER_BIN=path profiles
+# another build of the gateway, e.g. a saved one for an A/B)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STRATEGY=${1:-cache_aware}
@@ -59,7 +60,7 @@ PY
 WARMUP=200
 profile_run() { # requests -> writes $W/cg-$1.out
   RUST_LOG=${ROLTER_LOG:-warn} valgrind --tool=callgrind --callgrind-out-file="$W/cg-$1.out" \
-    target/release/rolter -c "$W/p.yaml" --routes "$W/routes.toml" --listen 127.0.0.1:18962 \
+    "${ROLTER_BIN:-target/release/rolter}" -c "$W/p.yaml" --routes "$W/routes.toml" --listen 127.0.0.1:18962 \
     2>"$W/gateway.log" >/dev/null &
   for _ in $(seq 120); do curl -sf 127.0.0.1:18962/health >/dev/null && break; sleep 0.5; done
   python3 "$W/drive.py" 18962 "$1"

@@ -6,6 +6,7 @@
 //! Data flows one way: bytes in → request → prompt → decision → upstream → bytes out,
 //! and state flows back once: outcome → fleet state / prefix state.
 
+pub mod allocator;
 pub mod config;
 pub mod demo;
 pub mod egress;

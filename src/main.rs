@@ -3,7 +3,7 @@
 use clap::Parser;
 
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: rolter::allocator::MiMalloc = rolter::allocator::MiMalloc;
 
 fn main() {
     // Plain (uncoloured) log lines: no per-line ANSI detection/stripping cost, and
