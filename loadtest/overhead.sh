@@ -14,6 +14,13 @@
 # one thread; the upstream stub one thread. The machine has 2 cores, so all of them
 # compete; medians of REPEATS runs are reported, and every variant runs interleaved.
 #
+# At saturation (closed loop, every connection sends its next request as soon as the last
+# answer arrives) latency is queueing: 64 connections / throughput (Little's law), so the
+# "p99 added" there mostly restates a throughput difference. The latency a proxy adds is
+# also measured at a fixed offered load well below every path's capacity: each connection
+# waits a random 0..2*PACE_MS ms (default PACE_MS 10) after an answer before its next
+# request (wrk's delay()), ~6k req/s over 64 connections, the same for every path.
+#
 # Knobs: DURATION (s per run, default 8), REPEATS (default 3), CONNS (default 64),
 # RSS_REQUESTS (default 1000000; 0 skips the RSS step), ROLTER_LOG (RUST_LOG of the
 # gateways, default "warn": no per-request access line, like nginx's access_log off;
@@ -26,6 +33,7 @@ CONNS=${CONNS:-64}
 RSS_REQUESTS=${RSS_REQUESTS:-1000000}
 ROLTER_LOG=${ROLTER_LOG:-warn}
 OUT=${OUT:-loadtest/reports/overhead.md}
+PACE_MS=${PACE_MS:-10}
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
@@ -131,6 +139,12 @@ request = function()
   n = n + 1
   return wrk.format(nil, "/v1/chat/completions", nil, bodies[(n % 64) + 1])
 end
+-- Think time uniform in [0, 2 * PACE_MS]: a fixed one keeps the 64 connections in step,
+-- so they arrive as one burst of 64 every PACE_MS and measure their own queueing.
+local pace = tonumber(os.getenv("PACE_MS") or "0")
+if pace > 0 then
+  delay = function() return math.random(0, 2 * pace) end
+end
 LUA
 
 cpu_ticks() { # sum of utime+stime over pids
@@ -143,11 +157,12 @@ cpu_ticks() { # sum of utime+stime over pids
 }
 HZ=$(getconf CLK_TCK)
 declare -A RPS P50 P99 CPU
-run() { # label port size pids...
+run() { # label port size pids...   (PACE: think time in ms per connection, 0 = closed loop)
   local label=$1 port=$2 size=$3; shift 3
   local before after out rps p50 p99 reqs
+  [ "${PACE:-0}" -gt 0 ] && size="${size}p"
   before=$(cpu_ticks "$@")
-  out=$(BODY_BYTES=$size wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/post.lua" "http://127.0.0.1:$port" 2>&1)
+  out=$(PACE_MS=${PACE:-0} BODY_BYTES=${size%p} wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/post.lua" "http://127.0.0.1:$port" 2>&1)
   after=$(cpu_ticks "$@")
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
@@ -178,6 +193,13 @@ for r in $(seq "$REPEATS"); do
     run rolter-rr $RR_PORT "$size" "$RR_PID"
     run rolter-ca $CA_PORT "$size" "$CA_PID"
   done
+  if [ "$PACE_MS" -gt 0 ]; then
+    PACE=$PACE_MS run direct $STUB_PORT 4096
+    # shellcheck disable=SC2086
+    PACE=$PACE_MS run nginx $NGINX_PORT 4096 $NGINX_PIDS
+    PACE=$PACE_MS run rolter-rr $RR_PORT 4096 "$RR_PID"
+    PACE=$PACE_MS run rolter-ca $CA_PORT 4096 "$CA_PID"
+  fi
 done
 
 reuse() { # port -> "reused% (new/total)"
@@ -221,6 +243,29 @@ reuse() { # port -> "reused% (new/total)"
       printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms)\n", cp - dp, rp - dp, np - dp }'
     echo
   done
+  if [ "$PACE_MS" -gt 0 ]; then
+    k=4096p
+    echo "## 4 KiB chat bodies at a fixed offered load (${PACE_MS} ms between an answer and the next request, per connection)"
+    echo
+    echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req |"
+    echo "|---|---:|---:|---:|---:|"
+    for label in direct nginx rolter-rr rolter-ca; do
+      printf "| %s | %s | %s | %s | %s |\n" "$label" \
+        "$(echo "${RPS[$label/$k]}" | median)" \
+        "$(for v in ${P50[$label/$k]}; do echo "$v" | to_ms; echo; done | median)" \
+        "$(for v in ${P99[$label/$k]}; do echo "$v" | to_ms; echo; done | median)" \
+        "$(echo "${CPU[$label/$k]}" | median)"
+    done
+    echo
+    p99() { for v in ${P99[$1/$k]}; do echo "$v" | to_ms; echo; done | median; }
+    p50() { for v in ${P50[$1/$k]}; do echo "$v" | to_ms; echo; done | median; }
+    awk -v d="$(p99 direct)" -v n="$(p99 nginx)" -v r="$(p99 rolter-rr)" -v c="$(p99 rolter-ca)" \
+        -v d5="$(p50 direct)" -v n5="$(p50 nginx)" -v c5="$(p50 rolter-ca)" \
+        -v nc="$(echo "${CPU[nginx/$k]}" | median)" -v cc="$(echo "${CPU[rolter-ca/$k]}" | median)" 'BEGIN {
+      printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms); p50 added: cache_aware %.3f ms, nginx %.3f ms\n", c - d, r - d, n - d, c5 - d5, n5 - d5;
+      printf "- CPU per request d/b = %.2f\n", cc / nc }'
+    echo
+  fi
   echo "Upstream connection reuse (whole run): round_robin $(reuse $RR_PORT); cache_aware $(reuse $CA_PORT)."
   echo
 } > "$OUT.tmp"

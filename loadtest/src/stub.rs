@@ -233,7 +233,11 @@ async fn complete(
         }
     }
     let b = shared.behaviour.lock().clone();
-    tokio::time::sleep(b.delay).await;
+    // Not `sleep(ZERO)`: tokio rounds a timer up to its next 1 ms tick, so an idle stub
+    // would answer ~1 ms late and every latency measured through it would carry that.
+    if !b.delay.is_zero() {
+        tokio::time::sleep(b.delay).await;
+    }
     let id = shared.id.clone();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let model = json["model"].as_str().unwrap_or("").to_string();
