@@ -8,7 +8,7 @@
 # chat requests (64 conversations sharing a system prompt, one keep-alive client),
 # dumps, and prints Ir per request plus the top functions.
 # Usage: loadtest/profile.sh [strategy]   (default cache_aware; ROLTER_BIN=path profiles
-# another build of the gateway, e.g. a saved one for an A/B)
+# another build of the gateway, e.g. a saved one for an A/B; BODY_KIB=32 sends 32 KiB bodies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STRATEGY=${1:-cache_aware}
@@ -44,11 +44,12 @@ model = "m"
 TOML
 printf -- "---\nversion: 1\nthreads: 1\npid_file: %s/p.pid\nupgrade_sock: %s/u.sock\ngrace_period_seconds: 1\ngraceful_shutdown_timeout_seconds: 1\n" "$W" "$W" > "$W/p.yaml"
 cat > "$W/drive.py" <<'PY'
-import http.client, json, sys
+import http.client, json, os, sys
 port, n = int(sys.argv[1]), int(sys.argv[2])
-system = "You are a careful assistant. " * 70
+scale = int(os.environ.get("BODY_KIB", "4")) // 4
+system = "You are a careful assistant. " * (70 * scale)
 bodies = [json.dumps({"model": "bench", "messages": [{"role": "system", "content": system},
-          {"role": "user", "content": ("question %d " % i) * 170}]}) for i in range(64)]
+          {"role": "user", "content": ("question %d " % i) * (170 * scale)}]}) for i in range(64)]
 c = http.client.HTTPConnection("127.0.0.1", port)
 for i in range(n):
     c.request("POST", "/v1/chat/completions", bodies[i % 64], {"content-type": "application/json"})

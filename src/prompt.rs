@@ -270,33 +270,80 @@ impl<'a> JsonShape<'a> for PromptField<'a> {
     }
 }
 
-/// Parse a request body once and extract what routing needs.
-pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptError> {
-    let mut prompt = Vec::with_capacity(body.len());
-    let (raw_model, stream) = match endpoint {
-        Endpoint::Chat => {
-            let req: ChatBody = serde_json::from_slice(body)?;
-            prompt.push(TAG_CHAT);
-            for m in &req.messages {
-                encode_message(&mut prompt, m);
+/// A request body parsed once: the fields every request needs, and its messages or prompt
+/// borrowed from the body, encoded into prompt bytes only when a route's strategy reads
+/// them ([`RequestBody::prompt`]): round_robin, least_load, precise_cache_aware and
+/// lmcache_aware never do, and at 32 KiB the encoding is a 32 KiB copy.
+pub struct RequestBody<'a> {
+    /// The `model` the client asked for.
+    pub model: String,
+    /// Byte range of the `model` value (including quotes) in the body.
+    pub model_span: std::ops::Range<usize>,
+    /// Whether the client asked for a streamed (SSE) response.
+    pub stream: bool,
+    content: BodyContent<'a>,
+    body_len: usize,
+}
+
+enum BodyContent<'a> {
+    Chat(Vec<Message<'a>>),
+    Completion(PromptField<'a>),
+}
+
+impl<'a> RequestBody<'a> {
+    /// Parse `body` (one JSON parse; strings without escapes stay borrowed from it).
+    pub fn parse(endpoint: Endpoint, body: &'a [u8]) -> Result<Self, PromptError> {
+        let (raw_model, stream, content) = match endpoint {
+            Endpoint::Chat => {
+                let req: ChatBody = serde_json::from_slice(body)?;
+                (req.model, req.stream, BodyContent::Chat(req.messages))
             }
-            (req.model, req.stream)
+            Endpoint::Completions => {
+                let req: CompletionBody = serde_json::from_slice(body)?;
+                (req.model, req.stream, BodyContent::Completion(req.prompt))
+            }
+        };
+        let model: String =
+            serde_json::from_str(raw_model.get()).map_err(|_| PromptError::ModelNotString)?;
+        let start = raw_model.get().as_ptr() as usize - body.as_ptr() as usize;
+        Ok(RequestBody {
+            model,
+            model_span: start..start + raw_model.get().len(),
+            stream: stream.unwrap_or(false),
+            content,
+            body_len: body.len(),
+        })
+    }
+
+    /// The prompt bytes (see module docs).
+    pub fn prompt(&self) -> Vec<u8> {
+        let mut prompt = Vec::with_capacity(self.body_len);
+        match &self.content {
+            BodyContent::Chat(messages) => {
+                prompt.push(TAG_CHAT);
+                for m in messages {
+                    encode_message(&mut prompt, m);
+                }
+            }
+            BodyContent::Completion(p) => {
+                prompt.push(TAG_COMPLETION);
+                encode_completion(&mut prompt, p);
+            }
         }
-        Endpoint::Completions => {
-            let req: CompletionBody = serde_json::from_slice(body)?;
-            prompt.push(TAG_COMPLETION);
-            encode_completion(&mut prompt, &req.prompt);
-            (req.model, req.stream)
-        }
-    };
-    let model: String =
-        serde_json::from_str(raw_model.get()).map_err(|_| PromptError::ModelNotString)?;
-    let start = raw_model.get().as_ptr() as usize - body.as_ptr() as usize;
+        prompt
+    }
+}
+
+/// Parse a request body and encode its prompt: [`RequestBody::parse`] then
+/// [`RequestBody::prompt`].
+pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptError> {
+    let parsed = RequestBody::parse(endpoint, body)?;
+    let prompt = parsed.prompt();
     Ok(ParsedRequest {
-        model,
-        model_span: start..start + raw_model.get().len(),
+        model: parsed.model,
+        model_span: parsed.model_span,
         prompt,
-        stream: stream.unwrap_or(false),
+        stream: parsed.stream,
     })
 }
 

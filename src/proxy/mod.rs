@@ -66,7 +66,7 @@ pub struct RequestCtx {
     error: Option<&'static str>,
     attempts: usize,
     stream: bool,
-    prompt_bytes: usize,
+    body_bytes: usize,
     /// `rolter_requests_total` already bumped (through the route's resolved series).
     counted: bool,
 }
@@ -126,13 +126,18 @@ impl Gateway {
             Duration::from_millis(limits.client_body_timeout_ms),
         )
         .await?;
-        let parsed = prompt::parse_request(endpoint, &body)
+        ctx.body_bytes = body.len();
+        let parsed = prompt::RequestBody::parse(endpoint, &body)
             .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
         ctx.stream = parsed.stream;
-        ctx.prompt_bytes = parsed.prompt.len();
         let route = table.route(&parsed.model).ok_or_else(|| {
             GatewayError::NotFound(format!("The model '{}' does not exist", parsed.model))
         })?;
+        let prompt = if route.strategy.uses_prompt() {
+            parsed.prompt()
+        } else {
+            Vec::new()
+        };
         ctx.route = Some(route.alias.clone());
         ctx.strategy = route.strategy.name();
         let headers = &session.req_header().headers;
@@ -152,7 +157,7 @@ impl Gateway {
         // One clock read serves the routing input and the first attempt.
         let at = Instant::now();
         let input = RouteInput {
-            prompt: &parsed.prompt,
+            prompt: &prompt,
             token_ids: token_ids.as_deref(),
             session_id: session_id.as_deref(),
             now_ms: ms_at(at),
@@ -170,7 +175,7 @@ impl Gateway {
         route: &Route,
         input: &RouteInput<'_>,
         body: &Bytes,
-        parsed: &prompt::ParsedRequest,
+        parsed: &prompt::RequestBody<'_>,
         at: Instant,
     ) -> Result<(), GatewayError> {
         let mut excluded = Vec::new();
@@ -478,7 +483,7 @@ impl ProxyHttp for Gateway {
         let ms = ctx.started.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
         log::info!(
             target: "access",
-            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} stream={} prompt_bytes={} error={} ms={:.2}",
+            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} stream={} body_bytes={} error={} ms={:.2}",
             req.method,
             req.uri.path(),
             ctx.status,
@@ -489,7 +494,7 @@ impl ProxyHttp for Gateway {
             ctx.score.map_or("-".to_string(), |s| format!("{s:.3}")),
             ctx.attempts,
             ctx.stream,
-            ctx.prompt_bytes,
+            ctx.body_bytes,
             ctx.error.unwrap_or("-"),
             ms,
         );

@@ -15,6 +15,10 @@ impl Strategy for RoundRobin {
         "round_robin"
     }
 
+    fn uses_prompt(&self) -> bool {
+        false
+    }
+
     fn select(&self, _input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
         // Rotate over the eligible set itself, so an ineligible target's turn is spread
         // evenly instead of all landing on its neighbour.
@@ -39,6 +43,10 @@ pub struct LeastLoad;
 impl Strategy for LeastLoad {
     fn name(&self) -> &'static str {
         "least_load"
+    }
+
+    fn uses_prompt(&self) -> bool {
+        false
     }
 
     fn select(&self, _input: &RouteInput, fleet: &FleetView) -> Option<Decision> {

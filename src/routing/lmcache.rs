@@ -56,6 +56,10 @@ impl Strategy for LmcacheAware {
         "lmcache_aware"
     }
 
+    fn uses_prompt(&self) -> bool {
+        false
+    }
+
     fn select(&self, _input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
         let c = fleet.candidates;
         let min = fleet.min_inflight()?;

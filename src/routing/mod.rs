@@ -172,6 +172,13 @@ pub trait Strategy: Send + Sync {
     /// Pick an eligible target, or `None` if there is none.
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
 
+    /// Whether `select`/`record` read `RouteInput::prompt`. A strategy that does not says so,
+    /// and the gateway then skips encoding it (a copy of every message's text) and passes
+    /// an empty one.
+    fn uses_prompt(&self) -> bool {
+        true
+    }
+
     /// Whether `select`/`record` read `RouteInput::token_ids` (else the gateway does not
     /// parse the header).
     fn uses_token_ids(&self) -> bool {
@@ -225,6 +232,72 @@ pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gateway hands an empty prompt to a strategy whose `uses_prompt()` is false, so
+    /// such a strategy must decide exactly as it would with the prompt. The fleet makes
+    /// the prompt matter (target 0 holds it, target 1 is the least loaded), which the
+    /// strategies that read it show by deciding differently.
+    #[test]
+    fn a_strategy_that_skips_the_prompt_decides_the_same_without_it() {
+        let prompt = b"Csystem\x1fYou are a careful assistant.\x1euser\x1fhello\x1e".repeat(8);
+        type Make = fn() -> Box<dyn Strategy>;
+        let strategies: [(&str, Make); 6] = [
+            ("round_robin", || Box::new(RoundRobin::default())),
+            ("least_load", || Box::new(LeastLoad)),
+            ("cache_aware", || Box::new(CacheAware::default())),
+            ("pipeline", || {
+                let w = PipelineWeights {
+                    static_weight: 0.0,
+                    load: 0.1,
+                    prefix: 1.0,
+                };
+                Box::new(Pipeline::new(w, Arc::new(SessionTable::new(10, 100))))
+            }),
+            ("precise_cache_aware", || {
+                Box::new(PreciseCacheAware::default())
+            }),
+            ("lmcache_aware", || Box::new(LmcacheAware)),
+        ];
+        for (name, make) in strategies {
+            let tries: Vec<PrefixTrie> = (0..3).map(|_| PrefixTrie::new(10_000)).collect();
+            tries[0].insert(&prompt);
+            let candidates: Vec<Candidate> = tries
+                .iter()
+                .zip([2u64, 1, 3])
+                .map(|(t, inflight)| Candidate {
+                    inflight,
+                    eligible: true,
+                    weight: 1,
+                    prefix: Some(t),
+                    ..Default::default()
+                })
+                .collect();
+            let view = FleetView {
+                candidates: &candidates,
+                excluded: &[],
+            };
+            let decide = |p: &[u8]| {
+                let input = RouteInput {
+                    prompt: p,
+                    ..Default::default()
+                };
+                make().select(&input, &view).map(|d| d.target)
+            };
+            let (with, without) = (decide(&prompt), decide(&[]));
+            assert!(with.is_some(), "{name}: no decision");
+            if make().uses_prompt() {
+                assert_ne!(
+                    with, without,
+                    "{name} reads the prompt; this fleet should show it"
+                );
+            } else {
+                assert_eq!(
+                    with, without,
+                    "{name} says it ignores the prompt but does not"
+                );
+            }
+        }
+    }
 
     #[test]
     fn every_reason_sits_at_its_own_index_with_its_own_label() {

@@ -76,6 +76,10 @@ impl Strategy for PreciseCacheAware {
         "precise_cache_aware"
     }
 
+    fn uses_prompt(&self) -> bool {
+        false
+    }
+
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
         let min = fleet.min_inflight()?;
         let fallback = || {
