@@ -245,7 +245,7 @@ reuse() { # port -> "reused% (new/total)"
   done
   if [ "$PACE_MS" -gt 0 ]; then
     k=4096p
-    echo "## 4 KiB chat bodies at a fixed offered load (${PACE_MS} ms between an answer and the next request, per connection)"
+    echo "## 4 KiB chat bodies at a fixed offered load (each connection waits a random 0-$((2 * PACE_MS)) ms after an answer before its next request)"
     echo
     echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req |"
     echo "|---|---:|---:|---:|---:|"
