@@ -175,6 +175,13 @@ run() { # label port size pids...   (PACE: think time in ms per connection, 0 = 
   echo "  $label size=$size: $rps req/s p50=$p50 p99=$p99 cpu/10k=$cpu" >&2
 }
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# Median over repeats of B/A from the same repeat (runs a minute apart at most): a shared
+# machine drifts between phases over minutes, and a ratio of two medians can pair a quiet
+# run of one path with a busy run of the other.
+paired() { # "a1 a2 ..." "b1 b2 ..." -> median of b_i / a_i
+  paste <(echo "$1" | tr ' ' '\n' | grep -v '^$') <(echo "$2" | tr ' ' '\n' | grep -v '^$') |
+    awk '{printf "%.4f ", $2 / $1}' | median
+}
 to_ms() { # wrk latency like 1.23ms / 850.00us / 1.2s
   awk '{v=$1; if (v ~ /us$/) {sub(/us$/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms$/,"",v)} else if (v ~ /s$/) {sub(/s$/,"",v); v*=1000}; printf "%.3f", v}'
 }
@@ -236,10 +243,14 @@ reuse() { # port -> "reused% (new/total)"
     cp99=$(for v in ${P99[rolter-ca/$size]}; do echo "$v" | to_ms; echo; done | median)
     rp99=$(for v in ${P99[rolter-rr/$size]}; do echo "$v" | to_ms; echo; done | median)
     np99=$(for v in ${P99[nginx/$size]}; do echo "$v" | to_ms; echo; done | median)
+    k=$size
+    pr_rr=$(paired "${RPS[nginx/$k]}" "${RPS[rolter-rr/$k]}"); pr_ca=$(paired "${RPS[nginx/$k]}" "${RPS[rolter-ca/$k]}")
+    pc_rr=$(paired "${CPU[nginx/$k]}" "${CPU[rolter-rr/$k]}"); pc_ca=$(paired "${CPU[nginx/$k]}" "${CPU[rolter-ca/$k]}")
     echo
-    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" -v rp="$rp99" -v np="$np99" 'BEGIN {
-      printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f\n", rr / n, ca / n;
-      printf "- CPU per request c/b = %.2f, d/b = %.2f\n", rc / nc, cc / nc;
+    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" -v rp="$rp99" -v np="$np99" \
+        -v prr="$pr_rr" -v pca="$pr_ca" -v pcr="$pc_rr" -v pcc="$pc_ca" 'BEGIN {
+      printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f (median of same-repeat ratios: %.2f / %.2f)\n", rr / n, ca / n, prr, pca;
+      printf "- CPU per request c/b = %.2f, d/b = %.2f (median of same-repeat ratios: %.2f / %.2f)\n", rc / nc, cc / nc, pcr, pcc;
       printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms)\n", cp - dp, rp - dp, np - dp }'
     echo
   done
@@ -261,9 +272,10 @@ reuse() { # port -> "reused% (new/total)"
     p50() { for v in ${P50[$1/$k]}; do echo "$v" | to_ms; echo; done | median; }
     awk -v d="$(p99 direct)" -v n="$(p99 nginx)" -v r="$(p99 rolter-rr)" -v c="$(p99 rolter-ca)" \
         -v d5="$(p50 direct)" -v n5="$(p50 nginx)" -v c5="$(p50 rolter-ca)" \
-        -v nc="$(echo "${CPU[nginx/$k]}" | median)" -v cc="$(echo "${CPU[rolter-ca/$k]}" | median)" 'BEGIN {
+        -v nc="$(echo "${CPU[nginx/$k]}" | median)" -v cc="$(echo "${CPU[rolter-ca/$k]}" | median)" \
+        -v pcc="$(paired "${CPU[nginx/$k]}" "${CPU[rolter-ca/$k]}")" 'BEGIN {
       printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms); p50 added: cache_aware %.3f ms, nginx %.3f ms\n", c - d, r - d, n - d, c5 - d5, n5 - d5;
-      printf "- CPU per request d/b = %.2f\n", cc / nc }'
+      printf "- CPU per request d/b = %.2f (median of same-repeat ratios: %.2f)\n", cc / nc, pcc }'
     echo
   fi
   echo "Upstream connection reuse (whole run): round_robin $(reuse $RR_PORT); cache_aware $(reuse $CA_PORT)."
