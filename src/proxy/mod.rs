@@ -138,6 +138,10 @@ impl Gateway {
         } else {
             Vec::new()
         };
+        let model_span = parsed.model_span.clone();
+        // The parsed messages (escaped text decoded into owned strings, non-text payloads
+        // as JSON values) are not needed past this point: not held through the exchange.
+        drop(parsed);
         ctx.route = Some(route.alias.clone());
         ctx.strategy = route.strategy.name();
         let headers = &session.req_header().headers;
@@ -162,7 +166,7 @@ impl Gateway {
             session_id: session_id.as_deref(),
             now_ms: ms_at(at),
         };
-        self.forward(session, ctx, &table, route, &input, &body, &parsed, at)
+        self.forward(session, ctx, &table, route, &input, &body, model_span, at)
             .await
     }
 
@@ -175,7 +179,7 @@ impl Gateway {
         route: &Route,
         input: &RouteInput<'_>,
         body: &Bytes,
-        parsed: &prompt::RequestBody<'_>,
+        model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
         let mut excluded = Vec::new();
@@ -230,7 +234,7 @@ impl Gateway {
                 &target.host,
                 &target.base_path,
                 body,
-                parsed.model_span.clone(),
+                model_span.clone(),
                 &target.upstream_model_json,
             );
             let up = Upstream {
