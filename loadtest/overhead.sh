@@ -216,6 +216,22 @@ for r in $(seq "$REPEATS"); do
   fi
 done
 
+# Medians of one path's runs under key KEY (a body size, "p" appended for the fixed-load runs).
+rps() { echo "${RPS[$1/$2]}" | median; }       # label key
+cpu() { echo "${CPU[$1/$2]}" | median; }       # label key
+ms() { # P50|P99 label key -> median in ms
+  local -n lat=$1
+  for v in ${lat[$2/$3]}; do echo "$v" | to_ms; echo; done | median
+}
+table() { # key -> the four paths' table
+  echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req | of it user |"
+  echo "|---|---:|---:|---:|---:|---:|"
+  for label in direct nginx rolter-rr rolter-ca; do
+    printf "| %s | %s | %s | %s | %s | %s |\n" "$label" "$(rps $label "$1")" \
+      "$(ms P50 $label "$1")" "$(ms P99 $label "$1")" "$(cpu $label "$1")" \
+      "$(echo "${USR[$label/$1]}" | median)"
+  done
+}
 reuse() { # port -> "reused% (new/total)"
   curl -s "127.0.0.1:$1/metrics" | awk '/^rolter_upstream_connections_total\{reused="true"\}/ {r=$2} /^rolter_upstream_connections_total\{reused="false"\}/ {f=$2} END {printf "%.3f%% (%d new of %d)", 100*r/(r+f), f, r+f}'
 }
@@ -230,32 +246,16 @@ reuse() { # port -> "reused% (new/total)"
   for size in $SIZES; do
     echo "## $((size / 1024)) KiB chat bodies"
     echo
-    echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req | of it user |"
-    echo "|---|---:|---:|---:|---:|---:|"
-    for label in direct nginx rolter-rr rolter-ca; do
-      k="$label/$size"
-      printf "| %s | %s | %s | %s | %s | %s |\n" "$label" \
-        "$(echo "${RPS[$k]}" | median)" \
-        "$(for v in ${P50[$k]}; do echo "$v" | to_ms; echo; done | median)" \
-        "$(for v in ${P99[$k]}; do echo "$v" | to_ms; echo; done | median)" \
-        "$(echo "${CPU[$k]}" | median)" "$(echo "${USR[$k]}" | median)"
-    done
-    n=$(echo "${RPS[nginx/$size]}" | median)
-    rr=$(echo "${RPS[rolter-rr/$size]}" | median)
-    ca=$(echo "${RPS[rolter-ca/$size]}" | median)
-    nc=$(echo "${CPU[nginx/$size]}" | median)
-    rc=$(echo "${CPU[rolter-rr/$size]}" | median)
-    cc=$(echo "${CPU[rolter-ca/$size]}" | median)
-    dp99=$(for v in ${P99[direct/$size]}; do echo "$v" | to_ms; echo; done | median)
-    cp99=$(for v in ${P99[rolter-ca/$size]}; do echo "$v" | to_ms; echo; done | median)
-    rp99=$(for v in ${P99[rolter-rr/$size]}; do echo "$v" | to_ms; echo; done | median)
-    np99=$(for v in ${P99[nginx/$size]}; do echo "$v" | to_ms; echo; done | median)
-    k=$size
-    pr_rr=$(paired "${RPS[nginx/$k]}" "${RPS[rolter-rr/$k]}"); pr_ca=$(paired "${RPS[nginx/$k]}" "${RPS[rolter-ca/$k]}")
-    pc_rr=$(paired "${CPU[nginx/$k]}" "${CPU[rolter-rr/$k]}"); pc_ca=$(paired "${CPU[nginx/$k]}" "${CPU[rolter-ca/$k]}")
+    table "$size"
     echo
-    awk -v n="$n" -v rr="$rr" -v ca="$ca" -v nc="$nc" -v rc="$rc" -v cc="$cc" -v dp="$dp99" -v cp="$cp99" -v rp="$rp99" -v np="$np99" \
-        -v prr="$pr_rr" -v pca="$pr_ca" -v pcr="$pc_rr" -v pcc="$pc_ca" 'BEGIN {
+    awk -v n="$(rps nginx "$size")" -v rr="$(rps rolter-rr "$size")" -v ca="$(rps rolter-ca "$size")" \
+        -v nc="$(cpu nginx "$size")" -v rc="$(cpu rolter-rr "$size")" -v cc="$(cpu rolter-ca "$size")" \
+        -v dp="$(ms P99 direct "$size")" -v cp="$(ms P99 rolter-ca "$size")" \
+        -v rp="$(ms P99 rolter-rr "$size")" -v np="$(ms P99 nginx "$size")" \
+        -v prr="$(paired "${RPS[nginx/$size]}" "${RPS[rolter-rr/$size]}")" \
+        -v pca="$(paired "${RPS[nginx/$size]}" "${RPS[rolter-ca/$size]}")" \
+        -v pcr="$(paired "${CPU[nginx/$size]}" "${CPU[rolter-rr/$size]}")" \
+        -v pcc="$(paired "${CPU[nginx/$size]}" "${CPU[rolter-ca/$size]}")" 'BEGIN {
       printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f (median of same-repeat ratios: %.2f / %.2f)\n", rr / n, ca / n, prr, pca;
       printf "- CPU per request c/b = %.2f, d/b = %.2f (median of same-repeat ratios: %.2f / %.2f)\n", rc / nc, cc / nc, pcr, pcc;
       printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms)\n", cp - dp, rp - dp, np - dp }'
@@ -265,21 +265,11 @@ reuse() { # port -> "reused% (new/total)"
     k=4096p
     echo "## 4 KiB chat bodies at a fixed offered load (each connection waits a random 0-$((2 * PACE_MS)) ms after an answer before its next request)"
     echo
-    echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req | of it user |"
-    echo "|---|---:|---:|---:|---:|---:|"
-    for label in direct nginx rolter-rr rolter-ca; do
-      printf "| %s | %s | %s | %s | %s | %s |\n" "$label" \
-        "$(echo "${RPS[$label/$k]}" | median)" \
-        "$(for v in ${P50[$label/$k]}; do echo "$v" | to_ms; echo; done | median)" \
-        "$(for v in ${P99[$label/$k]}; do echo "$v" | to_ms; echo; done | median)" \
-        "$(echo "${CPU[$label/$k]}" | median)" "$(echo "${USR[$label/$k]}" | median)"
-    done
+    table "$k"
     echo
-    p99() { for v in ${P99[$1/$k]}; do echo "$v" | to_ms; echo; done | median; }
-    p50() { for v in ${P50[$1/$k]}; do echo "$v" | to_ms; echo; done | median; }
-    awk -v d="$(p99 direct)" -v n="$(p99 nginx)" -v r="$(p99 rolter-rr)" -v c="$(p99 rolter-ca)" \
-        -v d5="$(p50 direct)" -v n5="$(p50 nginx)" -v c5="$(p50 rolter-ca)" \
-        -v nc="$(echo "${CPU[nginx/$k]}" | median)" -v cc="$(echo "${CPU[rolter-ca/$k]}" | median)" \
+    awk -v d="$(ms P99 direct $k)" -v n="$(ms P99 nginx $k)" -v r="$(ms P99 rolter-rr $k)" -v c="$(ms P99 rolter-ca $k)" \
+        -v d5="$(ms P50 direct $k)" -v n5="$(ms P50 nginx $k)" -v c5="$(ms P50 rolter-ca $k)" \
+        -v nc="$(cpu nginx $k)" -v cc="$(cpu rolter-ca $k)" \
         -v pcc="$(paired "${CPU[nginx/$k]}" "${CPU[rolter-ca/$k]}")" 'BEGIN {
       printf "- p99 added over direct by cache_aware: %.3f ms (round_robin %.3f ms, nginx %.3f ms); p50 added: cache_aware %.3f ms, nginx %.3f ms\n", c - d, r - d, n - d, c5 - d5, n5 - d5;
       printf "- CPU per request d/b = %.2f (median of same-repeat ratios: %.2f)\n", cc / nc, pcc }'
