@@ -450,3 +450,39 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
         );
     }
 }
+
+/// A client that sends its whole body before reading (as hyper, Python's http.client and
+/// curl do) gets the 413, not a reset: the gateway answers on the declared length, then
+/// keeps reading and discarding for a bounded while before it closes. Closing a socket
+/// with unread bytes makes the kernel reset the connection, so such a client's next write
+/// failed and it never read the answer (seen as a flaky "broken pipe" in the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_sends_a_refused_body_in_full_reads_the_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nmax_body_bytes = 65536\n",
+    ))
+    .await;
+    // Far more than loopback socket buffers hold, so the gateway must read for it to fit.
+    let body = chat_body("alias", &"y".repeat(16 * 1024 * 1024), false);
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let sent = tokio::time::timeout(Duration::from_secs(10), s.write_all(request.as_bytes())).await;
+    assert!(matches!(sent, Ok(Ok(()))), "sending the body: {sent:?}");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer)).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 413"),
+        "answer {text:?} (read: {read:?})"
+    );
+    assert!(text.contains("body_too_large"), "{text}");
+}

@@ -1,7 +1,8 @@
 //! Buffering a client request body in `request_filter`, bounded in size and time.
 //!
 //! A declared `Content-Length` over the limit is refused before reading a byte;
-//! a chunked or lying body is refused as soon as it crosses the limit.
+//! a chunked or lying body is refused as soon as it crosses the limit. After any refusal,
+//! the rest of the body is read and discarded for a bounded while ([`discard_rest`]).
 
 use super::error::GatewayError;
 use bytes::{Bytes, BytesMut};
@@ -60,6 +61,38 @@ pub async fn read_body(
         Some(b) => b.freeze(),
         None => first.unwrap_or_default(),
     })
+}
+
+/// How long in all, how long without a byte, and how many bytes [`discard_rest`] keeps
+/// reading a refused body. A client that stops sending (it read the answer, or it is a
+/// slowloris) is let go after `LINGER_IDLE`.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_IDLE: Duration = Duration::from_millis(500);
+const LINGER_BYTES: usize = 64 << 20;
+
+/// After an error answer to a request whose body is not read to its end (413 on a declared
+/// length, 408, a refusal before the body was read): read and discard the rest for at most
+/// [`LINGER_TIME`] / [`LINGER_BYTES`], and while bytes keep coming (`LINGER_IDLE`), before
+/// the connection closes. Closing a socket with unread bytes makes the kernel reset the
+/// connection, and a client that sends its whole body before reading (hyper, Python's
+/// http.client, curl) then fails on a write and never sees the answer already sent to it;
+/// nginx lingers the same way (`lingering_close`).
+pub async fn discard_rest(session: &mut Session) {
+    if session.is_body_done() {
+        return;
+    }
+    let drain = async {
+        let mut seen = 0usize;
+        while let Ok(Ok(Some(chunk))) =
+            tokio::time::timeout(LINGER_IDLE, session.read_request_body()).await
+        {
+            seen += chunk.len();
+            if seen > LINGER_BYTES {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }
 
 fn content_length(session: &Session) -> Result<Option<usize>, GatewayError> {

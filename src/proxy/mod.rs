@@ -447,6 +447,7 @@ impl ProxyHttp for Gateway {
                 write_err.to_string(),
             ));
         }
+        body::discard_rest(session).await;
         Ok(true)
     }
 
