@@ -322,8 +322,10 @@ const KV_STREAM_KINDS: [&str; 13] = [
 ];
 
 /// Held while a scrape mirrors live sources into the registry (`catch_up` reads a counter
-/// and then raises it, so two scrapes at once would both add the same delta). Scrapes
-/// only; never taken on the request path.
+/// and then raises it, so two scrapes at once would both add the same delta), while a
+/// reload drops removed state and its series, and while a health probe sets a provider's
+/// gauge (so none re-creates a series a reload just dropped). Never taken on the request
+/// path.
 pub static EXPORT_LOCK: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 /// Raise a counter mirroring a monotonic source to the source's value (under

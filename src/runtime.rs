@@ -603,6 +603,10 @@ impl Runtime {
         let routes = table.routes.len();
         // The swap: requests that loaded the old table finish on it.
         let old = self.table.swap(Arc::new(table));
+        // Held from dropping the removed state to dropping its series: a scrape exports
+        // from the registry under this lock, so it sees a removed target either with its
+        // series still to be dropped or not at all, and cannot re-create a dropped series.
+        let exporting = crate::metrics::EXPORT_LOCK.lock();
         self.registry.retain(&keep, &providers);
         self.registry.retain_sessions(&aliases);
         self.ctx.lmcache.retain(&keep_lmcache);
@@ -627,6 +631,7 @@ impl Runtime {
         for alias in old.routes.keys().filter(|a| !aliases.contains(*a)) {
             crate::metrics::forget_route(alias);
         }
+        drop(exporting);
         METRICS.reloads.with_label_values(&["ok"]).inc();
         log::info!(
             "reloaded routes from {}: {routes} routes, {} targets ({} added, {} removed)",

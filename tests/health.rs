@@ -204,3 +204,63 @@ async fn a_refused_connection_is_retried_on_the_other_target_transparently() {
             >= Some(1.0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_slower_than_the_interval_is_not_overlapped_by_the_next() {
+    // A health endpoint that accepts and never answers: every probe lasts its full
+    // timeout (400 ms), ten intervals (40 ms). Count the probe connections open at once.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (open, max_open, total) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let counts = (open.clone(), max_open.clone(), total.clone());
+    let server = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let (open, max_open, total) = (counts.0.clone(), counts.1.clone(), counts.2.clone());
+            total.fetch_add(1, Ordering::SeqCst);
+            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+            max_open.fetch_max(now, Ordering::SeqCst);
+            tokio::spawn(async move {
+                // Read (and ignore) the probe until the prober gives up and closes.
+                let mut buf = [0u8; 1024];
+                while matches!(sock.read(&mut buf).await, Ok(n) if n > 0) {}
+                open.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    });
+    let slow = "[providers.health]\ninterval_ms = 40\ntimeout_ms = 400\nunhealthy_threshold = 3\nhealthy_threshold = 1\n";
+    let gw = Gateway::start(&routes_with_health(
+        &[format!("http://{addr}")],
+        "round_robin",
+        slow,
+        "",
+    ))
+    .await;
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            total.load(Ordering::SeqCst) >= 4
+        })
+        .await,
+        "the provider was probed {} times",
+        total.load(Ordering::SeqCst)
+    );
+    // Overlapping probes would keep about ten open at once. Back to back, a new one can
+    // connect just before the server notices the last one's close: at most two.
+    let most = max_open.load(Ordering::SeqCst);
+    assert!(most <= 2, "{most} probes were in flight at once");
+    // Three failures in a row, one result at a time: the provider is marked down.
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.metric("rolter_provider_healthy{provider=\"p0\"}").await == Some(0.0)
+        })
+        .await
+    );
+    drop(gw);
+    server.abort();
+}

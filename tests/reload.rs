@@ -378,3 +378,56 @@ async fn an_invalid_file_is_rejected_logged_counted_and_the_old_routes_keep_serv
         assert!(matches!(stub.as_deref(), Some("a" | "b")), "{stub:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_removed_while_its_probe_runs_leaves_no_health_gauge_behind() {
+    // The removed provider's health endpoint accepts and never answers, so each probe runs
+    // its full 400 ms timeout; the reload lands right after one starts.
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow_url = format!("http://{}", listener.local_addr().unwrap());
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let server = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let _ = started_tx.send(());
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while matches!(sock.read(&mut buf).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    let a = Stub::start("a").await.unwrap();
+    let slow_health = "[providers.health]\ninterval_ms = 40\ntimeout_ms = 400\nunhealthy_threshold = 1\nhealthy_threshold = 1\n\n";
+    let no_health = "[providers.health]\nenabled = false\n\n";
+    let with_slow = provider("pa", &a.url()).replace("\n\n", &format!("\n{no_health}"))
+        + &provider("slow", &slow_url).replace("\n\n", &format!("\n{slow_health}"))
+        + &route("alias", "round_robin", &["pa", "slow"]);
+    let without_slow = provider("pa", &a.url()).replace("\n\n", &format!("\n{no_health}"))
+        + &route("alias", "round_robin", &["pa"]);
+    let gauge = "rolter_provider_healthy{provider=\"slow\"}";
+    let gw = Gateway::start(&with_slow).await;
+    assert!(
+        eventually(RELOAD_LIMIT, || async {
+            gw.metric(gauge).await == Some(0.0)
+        })
+        .await,
+        "the never-answering provider was not marked down"
+    );
+    // A reload of the same file first, so the SIGHUP handler is known to be listening.
+    let ok = arm_reload(&gw).await;
+
+    rewrite(&gw, &without_slow);
+    while started.try_recv().is_ok() {}
+    tokio::time::timeout(RELOAD_LIMIT, started.recv())
+        .await
+        .expect("no probe started")
+        .unwrap();
+    gw.signal("HUP");
+    assert!(wait_for(&gw, OK, ok + 1.0, RELOAD_LIMIT).await);
+    // The probe that was running when the reload landed has ended by now.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(gw.metric(gauge).await, None, "a dropped gauge came back");
+    let (status, _, body) = post_chat(&gw, chat_body("alias", "still serving", false)).await;
+    assert_eq!(status, 200, "{body}");
+    server.abort();
+}

@@ -29,6 +29,10 @@ struct Probe {
     /// The provider entry the check was built for (rebuilt if a reload changed it).
     entry: ProviderEntry,
     next_due: Instant,
+    /// The probe in flight, if any: the next one starts only after it ends, so results
+    /// reach [`ProviderHealth::observe`](super::ProviderHealth::observe) one at a time and in
+    /// order even when a probe (up to twice `timeout_ms`) outlasts `interval_ms`.
+    running: Option<tokio::task::JoinHandle<()>>,
 }
 
 fn build_check(entry: &ProviderEntry) -> HttpHealthCheck {
@@ -64,17 +68,20 @@ impl BackgroundService for HealthProber {
                     check: Arc::new(build_check(entry)),
                     entry: entry.clone(),
                     next_due: now,
+                    running: None,
                 });
                 if probe.entry != *entry {
                     probe.check = Arc::new(build_check(entry));
                     probe.entry = entry.clone();
                 }
-                if now < probe.next_due {
+                if now < probe.next_due || probe.running.as_ref().is_some_and(|t| !t.is_finished())
+                {
                     continue;
                 }
                 probe.next_due = now + Duration::from_millis(entry.health.interval_ms);
                 let (check, entry) = (probe.check.clone(), entry.clone());
-                tokio::spawn(async move {
+                let runtime = self.0.clone();
+                probe.running = Some(tokio::spawn(async move {
                     let backend = Backend {
                         addr: pingora::protocols::l4::socket::SocketAddr::Inet(entry.addr),
                         weight: 1,
@@ -101,11 +108,21 @@ impl BackgroundService for HealthProber {
                             if ok { "healthy" } else { "unhealthy" }
                         );
                     }
-                    METRICS
-                        .provider_healthy
-                        .with_label_values(&[&entry.name])
-                        .set(i64::from(h.is_healthy()));
-                });
+                    // Not for a provider a reload removed while this probe ran: that would
+                    // re-create the gauge the reload dropped (it drops it under this lock).
+                    let _exporting = crate::metrics::EXPORT_LOCK.lock();
+                    if runtime
+                        .table()
+                        .providers
+                        .iter()
+                        .any(|p| p.name == entry.name)
+                    {
+                        METRICS
+                            .provider_healthy
+                            .with_label_values(&[&entry.name])
+                            .set(i64::from(h.is_healthy()));
+                    }
+                }));
             }
         }
     }
