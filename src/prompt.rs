@@ -362,7 +362,7 @@ pub fn quote_model(upstream_model: &str) -> String {
 }
 
 /// Append `body` with its `model` value replaced by `quoted_model` (from [`quote_model`]) to
-/// `out`, so a caller can put the body straight after the request head it wrote there.
+/// `out` (the copying form of `proxy::framing::BodyBuf::frame`).
 pub fn rewrite_model_into(
     out: &mut Vec<u8>,
     body: &[u8],

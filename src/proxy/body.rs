@@ -5,7 +5,7 @@
 //! the rest of the body is read and discarded for a bounded while ([`discard_rest`]).
 
 use super::error::GatewayError;
-use bytes::{Bytes, BytesMut};
+use super::framing::BodyBuf;
 use pingora::proxy::Session;
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ pub async fn read_body(
     session: &mut Session,
     limit: usize,
     timeout: Duration,
-) -> Result<Bytes, GatewayError> {
+) -> Result<BodyBuf, GatewayError> {
     let declared = content_length(session)?;
     if declared.is_some_and(|n| n > limit) {
         return Err(GatewayError::PayloadTooLarge { limit });
@@ -25,11 +25,9 @@ pub async fn read_body(
             .await
             .map_err(|e| GatewayError::ClientGone(e.to_string()))?;
     }
-    // The body usually arrives as one chunk: keep it as it is and start copying only when a
-    // second one comes.
-    let mut first: Option<Bytes> = None;
-    let mut buf: Option<BytesMut> = None;
-    let mut total = 0usize;
+    // Read straight into a buffer with room for the upstream request head in front
+    // (`framing`): the one copy of the body the gateway makes before forwarding it.
+    let mut buf = BodyBuf::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
@@ -42,25 +40,12 @@ pub async fn read_body(
             Ok(Ok(None)) => break,
             Ok(Ok(Some(chunk))) => chunk,
         };
-        total += chunk.len();
-        if total > limit {
+        if buf.len() + chunk.len() > limit {
             return Err(GatewayError::PayloadTooLarge { limit });
         }
-        match (&mut buf, first.take()) {
-            (Some(b), _) => b.extend_from_slice(&chunk),
-            (None, None) => first = Some(chunk),
-            (None, Some(head)) => {
-                let mut b = BytesMut::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
-                b.extend_from_slice(&head);
-                b.extend_from_slice(&chunk);
-                buf = Some(b);
-            }
-        }
+        buf.extend(&chunk);
     }
-    Ok(match buf {
-        Some(b) => b.freeze(),
-        None => first.unwrap_or_default(),
-    })
+    Ok(buf)
 }
 
 /// How long in all, how long without a byte, and how many bytes [`discard_rest`] keeps

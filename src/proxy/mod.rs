@@ -24,6 +24,7 @@
 pub mod admission;
 pub mod body;
 pub mod error;
+pub mod framing;
 pub mod pool;
 pub mod upstream;
 
@@ -120,14 +121,14 @@ impl Gateway {
                 .ok_or(GatewayError::Overloaded {
                     limit: limits.max_inflight,
                 })?;
-        let body = body::read_body(
+        let mut body = body::read_body(
             session,
             limits.max_body_bytes,
             Duration::from_millis(limits.client_body_timeout_ms),
         )
         .await?;
         ctx.body_bytes = body.len();
-        let parsed = prompt::RequestBody::parse(endpoint, &body)
+        let parsed = prompt::RequestBody::parse(endpoint, body.body())
             .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
         ctx.stream = parsed.stream;
         let route = table.route(&parsed.model).ok_or_else(|| {
@@ -166,8 +167,10 @@ impl Gateway {
             session_id: session_id.as_deref(),
             now_ms: ms_at(at),
         };
-        self.forward(session, ctx, &table, route, &input, &body, model_span, at)
-            .await
+        self.forward(
+            session, ctx, &table, route, &input, &mut body, model_span, at,
+        )
+        .await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -178,7 +181,7 @@ impl Gateway {
         table: &RouteTable,
         route: &Route,
         input: &RouteInput<'_>,
-        body: &Bytes,
+        body: &mut framing::BodyBuf,
         model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
@@ -229,14 +232,15 @@ impl Gateway {
             let _slot = target.state.start_request();
             // TTFB and latency count from here, not from before the routing decision.
             let started = Instant::now();
-            let request = upstream::encode_request(
+            let quoted_model = target.upstream_model_json.as_bytes();
+            let head = upstream::encode_head(
                 session.req_header(),
                 &target.host,
                 &target.base_path,
-                body,
-                model_span.clone(),
-                &target.upstream_model_json,
+                body.len() - model_span.len() + quoted_model.len(),
             );
+            let mut spill = Vec::new();
+            let request = body.frame_or_copy(&head, model_span.clone(), quoted_model, &mut spill);
             let up = Upstream {
                 peer: &target.peer,
                 idle: target
@@ -254,7 +258,7 @@ impl Gateway {
                     route.strategy.record(input, &view, &decision);
                 }
             };
-            let exchange = upstream::exchange(&self.pool, &up, session, &request, started, record);
+            let exchange = upstream::exchange(&self.pool, &up, session, request, started, record);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {
