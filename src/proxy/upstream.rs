@@ -121,45 +121,7 @@ pub async fn exchange(
     started: Instant,
     on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
-    // A pooled connection can die between uses (the upstream closed it while idle): a write
-    // that fails on one, or a response that never starts on one (closed or reset before a
-    // byte came back: pingora marks that `ReusedOnly`, and pingora-proxy retries it the same
-    // way), gets one more try on another connection to the same target. A request the
-    // upstream closed an idle connection on was never read, so it cannot have acted on it.
-    // That try uses a new connection: after an upstream restart every pooled one is dead.
-    let mut attempt = None;
-    for try_number in 0..2 {
-        let idle = if try_number == 0 { up.idle } else { None };
-        let (stream, reused) = pool
-            .get(up.peer, idle, up.idle_timeout, started)
-            .await
-            .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
-        let mut s = match send_request(stream, up.peer, request).await {
-            Ok(s) => s,
-            Err(e) if reused => {
-                log::debug!("stale pooled connection to {}: {e}", up.label);
-                continue;
-            }
-            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
-        };
-        match read_response_head(&mut s).await {
-            Ok(()) => {
-                attempt = Some((s, reused));
-                break;
-            }
-            Err(e) if reused && matches!(e.retry, RetryType::ReusedOnly) => {
-                log::debug!("pooled connection to {} closed unanswered: {e}", up.label);
-            }
-            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
-        }
-    }
-    let (mut http, reused) = attempt.ok_or_else(|| {
-        // Unreachable while the second try is on a new connection; nothing was processed.
-        ExchangeError::Retryable(GatewayError::UpstreamBroken {
-            target: up.label.to_string(),
-            reason: "pooled connections kept failing".into(),
-        })
-    })?;
+    let (mut http, reused) = send_and_read_head(pool, up, request, started).await?;
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
     let ttfb = started.elapsed();
     let upstream_header = http.resp_header().expect("response header was just read");
@@ -203,6 +165,49 @@ pub async fn exchange(
         reused,
         finished,
     })
+}
+
+/// Send `request` on a pooled (or new) connection and read the response head. A separate
+/// future from [`exchange`]'s, so its retry state is not kept through the body relay.
+async fn send_and_read_head(
+    pool: &UpstreamPool,
+    up: &Upstream<'_>,
+    request: &[u8],
+    started: Instant,
+) -> Result<(HttpSession, bool), ExchangeError> {
+    // A pooled connection can die between uses (the upstream closed it while idle): a write
+    // that fails on one, or a response that never starts on one (closed or reset before a
+    // byte came back: pingora marks that `ReusedOnly`, and pingora-proxy retries it the same
+    // way), gets one more try on another connection to the same target. A request the
+    // upstream closed an idle connection on was never read, so it cannot have acted on it.
+    // That try uses a new connection: after an upstream restart every pooled one is dead.
+    for try_number in 0..2 {
+        let idle = if try_number == 0 { up.idle } else { None };
+        let (stream, reused) = pool
+            .get(up.peer, idle, up.idle_timeout, started)
+            .await
+            .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
+        let mut s = match send_request(stream, up.peer, request).await {
+            Ok(s) => s,
+            Err(e) if reused => {
+                log::debug!("stale pooled connection to {}: {e}", up.label);
+                continue;
+            }
+            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
+        };
+        match read_response_head(&mut s).await {
+            Ok(()) => return Ok((s, reused)),
+            Err(e) if reused && matches!(e.retry, RetryType::ReusedOnly) => {
+                log::debug!("pooled connection to {} closed unanswered: {e}", up.label);
+            }
+            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
+        }
+    }
+    // Unreachable while the second try is on a new connection; nothing was processed.
+    Err(ExchangeError::Retryable(GatewayError::UpstreamBroken {
+        target: up.label.to_string(),
+        reason: "pooled connections kept failing".into(),
+    }))
 }
 
 /// Read the response head, skipping informational (1xx) responses (vLLM sends none, others
