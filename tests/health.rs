@@ -208,7 +208,8 @@ async fn a_refused_connection_is_retried_on_the_other_target_transparently() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_slower_than_the_interval_is_not_overlapped_by_the_next() {
     // A health endpoint that accepts and never answers: every probe lasts its full
-    // timeout (400 ms), ten intervals (40 ms). Count the probe connections open at once.
+    // timeout (400 ms), ten intervals (40 ms; the prober looks for due probes every 100 ms).
+    // Count the probe connections open at once.
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use tokio::io::AsyncReadExt;
@@ -250,7 +251,7 @@ async fn a_probe_slower_than_the_interval_is_not_overlapped_by_the_next() {
         "the provider was probed {} times",
         total.load(Ordering::SeqCst)
     );
-    // Overlapping probes would keep about ten open at once. Back to back, a new one can
+    // Overlapping probes would keep about four open at once. Back to back, a new one can
     // connect just before the server notices the last one's close: at most two.
     let most = max_open.load(Ordering::SeqCst);
     assert!(most <= 2, "{most} probes were in flight at once");

@@ -18,8 +18,9 @@ use std::ops::Range;
 /// head falls back to a copy ([`BodyBuf::frame`] returns `None`).
 pub const HEAD_ROOM: usize = 2048;
 /// Longest `model` value (as sent, with its quotes) that [`BodyBuf::frame`] saves for the
-/// undo; a longer one falls back to a copy.
-const SPAN_MAX: usize = 256;
+/// undo; a longer one falls back to a copy. Kept inline in every request's future, so
+/// small: route aliases and model ids are far shorter.
+const SPAN_MAX: usize = 96;
 
 /// A request body with [`HEAD_ROOM`] free bytes in front of it.
 pub struct BodyBuf {
