@@ -155,12 +155,7 @@ fn lmcache_routes(upstreams: &[String], statuses: &[String], extra: &str) -> Str
 
 /// The value of the series `name{...}` whose labels include every `k="v"` in `labels`.
 async fn metric_with(gw: &Gateway, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = gw.get_text("/metrics").await;
     text.lines()
         .filter(|l| l.starts_with(&format!("{name}{{")))
         .filter(|l| {

@@ -237,12 +237,7 @@ async fn twenty_reloads_under_load_fail_no_request_and_keep_the_surviving_trie()
         );
         ok += 1.0;
         // The new generation is live: its route list, and no series for a removed target.
-        let models = reqwest::get(gw.url("/v1/models"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let models = gw.get_text("/v1/models").await;
         assert_eq!(
             models.contains("\"extra\""),
             generation_b,
@@ -427,12 +422,7 @@ async fn a_provider_removed_while_its_probe_runs_leaves_no_health_gauge_behind()
     // The probe that was running when the reload landed has ended by now (its timeout
     // is 1.5 s; the prober gives up on it after twice that at the latest).
     tokio::time::sleep(Duration::from_millis(3200)).await;
-    let metrics = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.get_text("/metrics").await;
     assert!(metrics.contains("rolter_config_reloads_total"), "{metrics}");
     assert!(
         !metrics.contains(gauge),

@@ -193,6 +193,16 @@ impl Gateway {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
+    /// The body of `GET path` (panics if the gateway does not answer).
+    pub async fn get_text(&self, path: &str) -> String {
+        reqwest::get(self.url(path))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// The value of a metric line `name{labels}` (labels must match exactly), or None.
     pub async fn metric(&self, series: &str) -> Option<f64> {
         let text = reqwest::get(self.url("/metrics"))
