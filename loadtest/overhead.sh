@@ -49,7 +49,7 @@ scripts/setup.sh
 cargo build --release -q --bin rolter-stub -p rolter-loadtest
 if [ -n "${PGO:-}" ]; then
   scripts/build-pgo.sh
-  ROLTER_BUILT=target/pgo/rolter; BUILD_NOTE="release + PGO (scripts/build-pgo.sh)"
+  ROLTER_BUILT=target/pgo/rolter; BUILD_NOTE="release + PGO, scripts/build-pgo.sh,"
 else
   cargo build --release -q --bin rolter -p rolter
   ROLTER_BUILT=target/release/rolter; BUILD_NOTE="release"

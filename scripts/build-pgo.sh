@@ -8,8 +8,8 @@
 # 3. merges the profile (llvm-profdata from rustup's llvm-tools component, installed if
 #    missing) and rebuilds with -Cprofile-use in target/pgo/use.
 # The profile is made afresh on every run, so it always matches the source. Measured on the
-# request path (loadtest/profile.sh, README "Proxy overhead"): ~13% fewer instructions and
-# user time per request than the plain release build. Takes two release builds (~12 min on
+# request path (loadtest/profile.sh, README "Proxy overhead"): ~11% fewer instructions and
+# ~13% less user time per request than the plain release build. Takes two release builds (~12 min on
 # 2 cores). Needs wrk (installed if missing, like loadtest/overhead.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
