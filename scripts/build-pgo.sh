@@ -65,10 +65,15 @@ for strategy in cache_aware round_robin; do
   for _ in $(seq 100); do kill -0 "$gw" 2>/dev/null || break; sleep 0.1; done
 done
 ls "$OUT"/profiles/*.profraw >/dev/null 2>&1 || { echo "build-pgo: training wrote no profile" >&2; exit 1; }
-"$PROFDATA" merge -o "$OUT/rolter.profdata" "$OUT/profiles"
+"$PROFDATA" merge -o "$OUT/merged.profdata" "$OUT/profiles"
+# Named by its content: cargo does not track the profile file, only RUSTFLAGS, so a new
+# profile under the old name would leave every crate built with the previous one.
+sum=$(sha256sum "$OUT/merged.profdata" | cut -c1-16)
+rm -f "$OUT"/rolter-*.profdata
+mv "$OUT/merged.profdata" "$OUT/rolter-$sum.profdata"
 
 echo "build-pgo: optimised build" >&2
-RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$OUT/rolter.profdata" CARGO_TARGET_DIR=$OUT/use \
+RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$OUT/rolter-$sum.profdata" CARGO_TARGET_DIR=$OUT/use \
   cargo build --release -q --bin rolter -p rolter
 cp "$OUT/use/release/rolter" "$OUT/rolter"
 echo "build-pgo: $OUT/rolter" >&2
