@@ -351,7 +351,7 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, P
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, upstream_model: &str) -> Vec<u8> {
     let quoted = quote_model(upstream_model);
     let mut out = Vec::with_capacity(body.len() - span.len() + quoted.len());
-    rewrite_model_into(&mut out, body, span, &quoted);
+    rewrite_model_into(&mut out, body, span, quoted.as_bytes());
     out
 }
 
@@ -367,10 +367,10 @@ pub fn rewrite_model_into(
     out: &mut Vec<u8>,
     body: &[u8],
     span: std::ops::Range<usize>,
-    quoted_model: &str,
+    quoted_model: &[u8],
 ) {
     out.extend_from_slice(&body[..span.start]);
-    out.extend_from_slice(quoted_model.as_bytes());
+    out.extend_from_slice(quoted_model);
     out.extend_from_slice(&body[span.end..]);
 }
 

@@ -115,9 +115,7 @@ impl BodyBuf {
         spill.clear();
         spill.reserve(head.len() + body.len() - span.len() + replacement.len());
         spill.extend_from_slice(head);
-        spill.extend_from_slice(&body[..span.start]);
-        spill.extend_from_slice(replacement);
-        spill.extend_from_slice(&body[span.end..]);
+        crate::prompt::rewrite_model_into(spill, body, span, replacement);
         spill
     }
 
@@ -153,7 +151,7 @@ mod tests {
 
     fn expected(head: &[u8], body: &[u8], span: Range<usize>, repl: &[u8]) -> Vec<u8> {
         let mut out = head.to_vec();
-        crate::prompt::rewrite_model_into(&mut out, body, span, std::str::from_utf8(repl).unwrap());
+        crate::prompt::rewrite_model_into(&mut out, body, span, repl);
         out
     }
 
