@@ -40,8 +40,8 @@ async fn model_rewrite_and_a_1mib_prompt_arrive_byte_for_byte_over_a_reused_conn
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn body_over_the_limit_gets_413_and_never_reaches_upstream() {
+/// A gateway whose `limits.max_body_bytes` is 64 KiB, in front of one stub.
+async fn gateway_with_64k_body_limit() -> (Stub, Gateway) {
     let stub = Stub::start("a").await.unwrap();
     let gw = Gateway::start(&routes_toml(
         &[stub.url()],
@@ -49,6 +49,12 @@ async fn body_over_the_limit_gets_413_and_never_reaches_upstream() {
         "[limits]\nmax_body_bytes = 65536\n",
     ))
     .await;
+    (stub, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_over_the_limit_gets_413_and_never_reaches_upstream() {
+    let (stub, gw) = gateway_with_64k_body_limit().await;
     let (status, _, body) =
         post_chat(&gw, chat_body("alias", &"y".repeat(1024 * 1024), false)).await;
     assert_eq!(status, 413);
@@ -459,13 +465,7 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_sends_a_refused_body_in_full_reads_the_413() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let stub = Stub::start("a").await.unwrap();
-    let gw = Gateway::start(&routes_toml(
-        &[stub.url()],
-        "round_robin",
-        "[limits]\nmax_body_bytes = 65536\n",
-    ))
-    .await;
+    let (_stub, gw) = gateway_with_64k_body_limit().await;
     // Far more than loopback socket buffers hold, so the gateway must read for it to fit.
     let body = chat_body("alias", &"y".repeat(16 * 1024 * 1024), false);
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
