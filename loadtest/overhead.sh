@@ -28,6 +28,8 @@
 # "info" measures with rolter's access log on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=loadtest/stub-gateway.sh
+. loadtest/stub-gateway.sh
 DURATION=${DURATION:-8}
 REPEATS=${REPEATS:-3}
 CONNS=${CONNS:-64}
@@ -95,29 +97,9 @@ http {
 NGINX
 "$NGINX" -c "$WORK/nginx.conf" -p "$WORK"
 
-cat > "$WORK/pingora.yaml" <<YAML
----
-version: 1
-threads: 1
-pid_file: $WORK/rolter.pid
-upgrade_sock: $WORK/upgrade.sock
-upstream_keepalive_pool_size: 256
-grace_period_seconds: 1
-graceful_shutdown_timeout_seconds: 1
-YAML
-routes() { # strategy, targets
-  local s="" i
-  for i in $(seq 0 $(($2 - 1))); do
-    s+="[[providers]]\nname = \"p$i\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:$STUB_PORT\"\n[providers.health]\nenabled = false\n\n"
-  done
-  s+="[[routes]]\nmodel = \"bench\"\nstrategy = \"$1\"\n"
-  for i in $(seq 0 $(($2 - 1))); do
-    s+="[[routes.targets]]\nprovider = \"p$i\"\nmodel = \"upstream-model\"\n"
-  done
-  printf "%b" "$s"
-}
+gateway_yaml "$WORK" > "$WORK/pingora.yaml"
 start_rolter() { # port, strategy, targets -> pid in ROLTER_PID
-  routes "$2" "$3" > "$WORK/routes-$1.toml"
+  stub_routes "$2" "$3" $STUB_PORT > "$WORK/routes-$1.toml"
   RUST_LOG=$ROLTER_LOG "$BIN/rolter" -c "$WORK/pingora.yaml" --routes "$WORK/routes-$1.toml" --listen 127.0.0.1:$1 \
     2>"$WORK/rolter-$1.log" >/dev/null &
   ROLTER_PID=$!; PIDS+=($ROLTER_PID)

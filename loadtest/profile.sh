@@ -11,6 +11,8 @@
 # another build of the gateway, e.g. a saved one for an A/B; BODY_KIB=32 sends 32 KiB bodies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=loadtest/stub-gateway.sh
+. loadtest/stub-gateway.sh
 STRATEGY=${1:-cache_aware}
 REQUESTS=${REQUESTS:-2000}
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind >/dev/null; }
@@ -19,30 +21,8 @@ cargo build --release -q --bin rolter-stub -p rolter-loadtest
 W=$(mktemp -d /tmp/rolter-profile.XXXXXX)
 trap 'pkill -f "listen 127.0.0.1:18962" 2>/dev/null || true; pkill -f "rolter-stub --listen 127.0.0.1:18961" 2>/dev/null || true; rm -rf "$W"' EXIT
 target/release/rolter-stub --listen 127.0.0.1:18961 >/dev/null &
-cat > "$W/routes.toml" <<TOML
-[[providers]]
-name = "p0"
-kind = "openai_compatible"
-api_base = "http://127.0.0.1:18961"
-[providers.health]
-enabled = false
-[[providers]]
-name = "p1"
-kind = "openai_compatible"
-api_base = "http://127.0.0.1:18961"
-[providers.health]
-enabled = false
-[[routes]]
-model = "bench"
-strategy = "$STRATEGY"
-[[routes.targets]]
-provider = "p0"
-model = "m"
-[[routes.targets]]
-provider = "p1"
-model = "m"
-TOML
-printf -- "---\nversion: 1\nthreads: 1\npid_file: %s/p.pid\nupgrade_sock: %s/u.sock\ngrace_period_seconds: 1\ngraceful_shutdown_timeout_seconds: 1\n" "$W" "$W" > "$W/p.yaml"
+stub_routes "$STRATEGY" 2 18961 m > "$W/routes.toml"
+gateway_yaml "$W" > "$W/p.yaml"
 cat > "$W/drive.py" <<'PY'
 import http.client, json, os, sys
 port, n = int(sys.argv[1]), int(sys.argv[2])

@@ -13,6 +13,8 @@
 # 2 cores). Needs wrk (installed if missing, like loadtest/overhead.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=loadtest/stub-gateway.sh
+. loadtest/stub-gateway.sh
 OUT=$PWD/target/pgo
 STUB_PORT=18981; GW_PORT=18982
 
@@ -39,17 +41,9 @@ W=$(mktemp -d /tmp/rolter-pgo.XXXXXX)
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$W"' EXIT
 target/release/rolter-stub --listen 127.0.0.1:$STUB_PORT --threads 1 >/dev/null & PIDS+=($!)
-printf -- "---\nversion: 1\nthreads: 1\npid_file: %s/p.pid\nupgrade_sock: %s/u.sock\ngrace_period_seconds: 1\ngraceful_shutdown_timeout_seconds: 1\nupstream_keepalive_pool_size: 256\n" "$W" "$W" > "$W/p.yaml"
+gateway_yaml "$W" > "$W/p.yaml"
 for strategy in cache_aware round_robin; do
-  {
-    for i in 0 1; do
-      printf '[[providers]]\nname = "p%s"\nkind = "openai_compatible"\napi_base = "http://127.0.0.1:%s"\n[providers.health]\nenabled = false\n\n' "$i" "$STUB_PORT"
-    done
-    printf '[[routes]]\nmodel = "bench"\nstrategy = "%s"\n' "$strategy"
-    for i in 0 1; do
-      printf '[[routes.targets]]\nprovider = "p%s"\nmodel = "upstream-model"\n' "$i"
-    done
-  } > "$W/routes.toml"
+  stub_routes "$strategy" 2 $STUB_PORT > "$W/routes.toml"
   RUST_LOG=warn "$OUT/gen/release/rolter" -c "$W/p.yaml" --routes "$W/routes.toml" \
     --listen 127.0.0.1:$GW_PORT >/dev/null 2>"$W/gateway.log" &
   gw=$!; PIDS+=($gw)
