@@ -460,6 +460,10 @@ fn cases(evil_port: u16) -> Vec<Case> {
         case("two pipelined requests in one write", [post(&ok, ""), post(&chat("pipelined"), "")].concat(), 200, Relayed)
             .upstream(Upstream::Body(upstream_view(&ok))).then(Then::Closed),
         case("Expect: 100-continue", post(&ok, "Expect: 100-continue"), 200, Relayed).upstream(Upstream::Body(upstream_view(&ok))),
+        // After the interim 100 Continue, an error is still the OpenAI-shaped answer (the
+        // interim response does not count as "a response already written").
+        case("Expect: 100-continue, unknown model", post(br#"{"model":"nope","messages":[]}"#, "Expect: 100-continue"), 404, OpenAi("not_found")),
+        case("Expect: 100-continue, broken JSON", post(b"{\"model\":", "Expect: 100-continue"), 400, OpenAi("bad_request")),
     ]
 }
 

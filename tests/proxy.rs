@@ -225,6 +225,58 @@ async fn inflight_returns_to_zero_after_a_client_disconnects_mid_stream() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_the_answer_frees_its_slot_and_the_replica_at_once() {
+    use tokio::io::AsyncWriteExt;
+    // A long generation (non-streaming, or a stream still in prefill): nothing is written
+    // to the client for a long while, so only watching its connection tells it has gone.
+    let stub = Stub::start("a").await.unwrap();
+    stub.set_behaviour(Behaviour {
+        delay: Duration::from_secs(60),
+        ..Default::default()
+    });
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "least_load", "")).await;
+    let series = "rolter_inflight_requests{target=\"p0/upstream-model-0\"}";
+    let body = chat_body("alias", "a long generation", false);
+    let mut client = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    client
+        .write_all(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async { stub.active() == 1 }).await,
+        "the request never reached the replica"
+    );
+    assert_eq!(gw.metric(series).await, Some(1.0));
+    drop(client);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.metric(series).await == Some(0.0)
+                && gw.metric("rolter_admitted_requests").await == Some(0.0)
+        })
+        .await,
+        "the departed client still holds its in-flight slot"
+    );
+    // The upstream connection is closed, which is how vLLM learns to abort the request.
+    assert!(
+        eventually(Duration::from_secs(5), || async { stub.active() == 0 }).await,
+        "the replica is still working for a client that left"
+    );
+    assert_eq!(
+        gw.metric("rolter_request_errors_total{kind=\"client_disconnect\"}")
+            .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_errors_move() {
     let stub = Stub::start("a").await.unwrap();
     let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;

@@ -423,12 +423,18 @@ impl ProxyHttp for Gateway {
         ctx.error = Some(e.kind());
         ctx.status = e.status();
         METRICS.errors.with_label_values(&[e.kind()]).inc();
-        if matches!(e, GatewayError::ClientGone(_)) || session.response_written().is_some() {
-            // Nothing more can be said to this client; make pingora drop the connection.
-            return Err(pingora::Error::explain(
-                pingora::ErrorType::WriteError,
-                e.to_string(),
-            ));
+        // An interim answer (the `100 Continue` of `Expect: 100-continue`) is not an
+        // answer: the error still gets its own.
+        let answered = session
+            .response_written()
+            .is_some_and(|h| !h.status.is_informational());
+        if matches!(e, GatewayError::ClientGone(_)) || answered {
+            // Nothing more can be said to this client; make pingora drop the connection. A
+            // downstream write error is one pingora answers nothing to (its default
+            // `fail_to_proxy` would otherwise try a bare 500 on a connection already used).
+            return Err(
+                pingora::Error::explain(pingora::ErrorType::WriteError, e.to_string()).into_down(),
+            );
         }
         // The request body may be unread (413, 408, ...): never reuse this connection.
         session.set_keepalive(None);
@@ -449,10 +455,23 @@ impl ProxyHttp for Gateway {
             return Err(pingora::Error::explain(
                 pingora::ErrorType::WriteError,
                 write_err.to_string(),
-            ));
+            )
+            .into_down());
         }
         body::discard_rest(session).await;
         Ok(true)
+    }
+
+    /// A client that left is routine, not a gateway error: it is counted
+    /// (`rolter_request_errors_total{kind="client_disconnect"}`) and in the access line, and
+    /// pingora's own `ERROR` line for it is left out.
+    fn suppress_error_log(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+        _e: &pingora::Error,
+    ) -> bool {
+        ctx.error == Some("client_disconnect")
     }
 
     async fn upstream_peer(

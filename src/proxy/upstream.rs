@@ -121,7 +121,14 @@ pub async fn exchange(
     started: Instant,
     on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
-    let (mut http, reused) = send_and_read_head(pool, up, request, started).await?;
+    // Until the answer starts, nothing is written to the client, so only its connection
+    // tells that it left; dropping the exchange then closes the upstream connection, which
+    // is how vLLM learns to abort the generation (and the in-flight slot is freed at once).
+    let (mut http, reused) = tokio::select! {
+        biased;
+        head = send_and_read_head(pool, up, request, started) => head?,
+        gone = client_gone(session) => return Err(ExchangeError::Final(gone)),
+    };
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
     let ttfb = started.elapsed();
     let upstream_header = http.resp_header().expect("response header was just read");
@@ -137,7 +144,14 @@ pub async fn exchange(
 
     // Stream the body through as it arrives: SSE chunks are never held back.
     while !no_body && !http.is_body_done() {
-        let chunk = match http.read_body_bytes().await {
+        // A stream can pause for long (a tool call being generated): watch the client
+        // meanwhile, as before the header.
+        let read = tokio::select! {
+            biased;
+            read = http.read_body_bytes() => read,
+            gone = client_gone(session) => return Err(ExchangeError::Final(gone)),
+        };
+        let chunk = match read {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
@@ -165,6 +179,27 @@ pub async fn exchange(
         reused,
         finished,
     })
+}
+
+/// Resolves when the client has closed (or reset) its connection; pends while it is
+/// there. Called once the request body is read to its end: pingora's `read_body_or_idle`
+/// then waits for the socket to become readable. It is cancel-safe (a dropped probe has
+/// read nothing), and it reads nothing while no byte arrives (tokio reads only after the
+/// socket is reported readable), so the request path pays no system call for it.
+///
+/// Bytes after the request (a pipelined next request, which the gateway does not serve)
+/// do not mean the client left: watching stops, and the connection closes after this
+/// answer, as it does for a pipelined request already buffered.
+async fn client_gone(session: &mut Session) -> GatewayError {
+    match session.read_body_or_idle(true).await {
+        Err(e) if matches!(e.etype(), ErrorType::ConnectionClosed | ErrorType::ReadError) => {
+            GatewayError::ClientGone(format!("the client left before the answer ended: {e}"))
+        }
+        _ => {
+            session.set_keepalive(None);
+            std::future::pending().await
+        }
+    }
 }
 
 /// Send `request` on a pooled (or new) connection and read the response head. A separate
