@@ -89,15 +89,119 @@ enum Content<'a> {
     Parts(Vec<Part<'a>>),
 }
 
-#[derive(Deserialize)]
+/// One content part. Deserialised by hand: `#[serde(flatten)]` into a map of
+/// `serde_json::Value`s buffered the whole payload twice (serde's `Content` tree, then the
+/// `Value` tree, ~30x the payload's size in memory) and serialised it again to hash it.
 struct Part<'a> {
-    #[serde(rename = "type", borrow)]
     kind: Cow<'a, str>,
-    #[serde(borrow, default)]
     text: Option<Cow<'a, str>>,
-    /// Payload of a non-text part (`image_url`, `input_audio`, ...), hashed.
-    #[serde(flatten)]
-    rest: std::collections::BTreeMap<String, serde_json::Value>,
+    /// Canonical hash of the other members (the payload of `image_url`, `input_audio`,
+    /// ...), computed while parsing ([`CanonicalHash`]).
+    payload: u64,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Part<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct PartVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for PartVisitor<'a> {
+            type Value = Part<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a content part object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Part<'a>, A::Error> {
+                use serde::de::Error;
+                let (mut kind, mut text, mut payload) = (None, None, 0u64);
+                while let Some(Text(key)) = map.next_key::<Text>()? {
+                    match key.as_ref() {
+                        "type" if kind.is_some() => return Err(A::Error::duplicate_field("type")),
+                        "type" => kind = Some(map.next_value::<Text>()?.0),
+                        "text" if text.is_some() => return Err(A::Error::duplicate_field("text")),
+                        "text" => text = Some(map.next_value::<Option<Text>>()?.map(|t| t.0)),
+                        _ => {
+                            let value = map.next_value_seed(CanonicalHash)?;
+                            payload = payload.wrapping_add(member_hash(&key, value));
+                        }
+                    }
+                }
+                Ok(Part {
+                    kind: kind.ok_or_else(|| A::Error::missing_field("type"))?,
+                    text: text.flatten(),
+                    payload,
+                })
+            }
+        }
+        d.deserialize_map(PartVisitor(std::marker::PhantomData))
+    }
+}
+
+/// Hashes one JSON value as it is parsed, in one pass and without buffering it: object
+/// members are combined by a wrapping sum of `hash(key, value)`, so the result does not
+/// depend on the client's key order (nor on whitespace); array elements in order.
+struct CanonicalHash;
+
+fn member_hash(key: &str, value: u64) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    value.hash(&mut h);
+    h.finish()
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for CanonicalHash {
+    type Value = u64;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for CanonicalHash {
+    type Value = u64;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_unit<E>(self) -> Result<u64, E> {
+        Ok(tagged(b'n', |_| {}))
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<u64, E> {
+        Ok(tagged(b'b', |h| v.hash(h)))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<u64, E> {
+        Ok(tagged(b'i', |h| v.hash(h)))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<u64, E> {
+        Ok(tagged(b'u', |h| v.hash(h)))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<u64, E> {
+        Ok(tagged(b'f', |h| v.to_bits().hash(h)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<u64, E> {
+        Ok(tagged(b's', |h| v.hash(h)))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        h.write_u8(b'[');
+        while let Some(v) = seq.next_element_seed(CanonicalHash)? {
+            h.write_u64(v);
+        }
+        Ok(h.finish())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+        let mut sum = 0u64;
+        while let Some(Text(key)) = map.next_key::<Text>()? {
+            let value = map.next_value_seed(CanonicalHash)?;
+            sum = sum.wrapping_add(member_hash(&key, value));
+        }
+        Ok(tagged(b'{', |h| sum.hash(h)))
+    }
+}
+
+fn tagged(tag: u8, f: impl FnOnce(&mut std::collections::hash_map::DefaultHasher)) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    h.write_u8(tag);
+    f(&mut h);
+    h.finish()
 }
 
 #[derive(Deserialize)]
@@ -425,11 +529,8 @@ fn encode_opaque_part(out: &mut Vec<u8>, part: &Part) {
     escape_into(out, part.kind.as_bytes());
     out.push(b':');
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    // Maps are key-ordered, so this is canonical whatever the client's key order.
-    for (k, v) in &part.rest {
-        k.hash(&mut h);
-        v.to_string().hash(&mut h);
-    }
+    // The payload's hash is canonical whatever the client's key order ([`CanonicalHash`]).
+    part.payload.hash(&mut h);
     if let Some(t) = &part.text {
         t.hash(&mut h);
     }
@@ -584,6 +685,52 @@ mod tests {
         assert_ne!(img("data:a"), img("data:b"));
         assert_eq!(img("data:a"), img("data:a"));
         assert!(img("data:a").starts_with(b"Cuser\x1flook\x1dimage_url:"));
+    }
+
+    #[test]
+    fn a_part_payload_is_hashed_whatever_its_key_order_and_spacing() {
+        let part = |p: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[{p}]}}]}}"#
+            ))
+        };
+        let a = part(r#"{"type":"image_url","image_url":{"url":"data:a","detail":"high"}}"#);
+        let b = part(
+            r#"{ "image_url" : { "detail" : "high", "url" : "data:a" }, "type" : "image_url" }"#,
+        );
+        assert_eq!(a, b);
+        // Every member and value counts: a changed detail, a changed type, an extra member,
+        // array order, or the same values under other keys make another prompt.
+        for other in [
+            r#"{"type":"image_url","image_url":{"url":"data:a","detail":"low"}}"#,
+            r#"{"type":"input_image","image_url":{"url":"data:a","detail":"high"}}"#,
+            r#"{"type":"image_url","image_url":{"url":"data:a","detail":"high"},"x":null}"#,
+            r#"{"type":"image_url","image_url":{"detail":"data:a","url":"high"}}"#,
+        ] {
+            assert_ne!(a, part(other), "{other}");
+        }
+        let arr = |v: &str| part(&format!(r#"{{"type":"input_audio","data":{v}}}"#));
+        assert_ne!(arr("[1,2]"), arr("[2,1]"));
+        assert_ne!(arr("[1]"), arr("[[1]]"));
+        assert_ne!(arr(r#""1""#), arr("1"));
+        assert_eq!(arr("[1, 2.5, true, null]"), arr("[1,2.5,true,null]"));
+        // `type` is required and single; `text: null` is no text.
+        for bad in [
+            r#"{"image_url":{"url":"x"}}"#,
+            r#"{"type":"text","type":"image_url"}"#,
+            r#"{"type":7}"#,
+        ] {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":[{bad}]}}]}}"#);
+            assert!(
+                parse_request(Endpoint::Chat, body.as_bytes()).is_err(),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            part(r#"{"type":"text","text":null}"#),
+            part(r#"{"type":"text"}"#)
+        );
     }
 
     #[test]

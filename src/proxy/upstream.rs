@@ -192,7 +192,12 @@ pub async fn exchange(
 /// answer, as it does for a pipelined request already buffered.
 async fn client_gone(session: &mut Session) -> GatewayError {
     match session.read_body_or_idle(true).await {
-        Err(e) if matches!(e.etype(), ErrorType::ConnectionClosed | ErrorType::ReadError) => {
+        Err(e)
+            if matches!(
+                e.etype(),
+                ErrorType::ConnectionClosed | ErrorType::ReadError
+            ) =>
+        {
             GatewayError::ClientGone(format!("the client left before the answer ended: {e}"))
         }
         _ => {
