@@ -22,6 +22,8 @@ pub struct Metrics {
     pub inflight: IntGaugeVec,
     /// Requests admitted by the global cap (`limits.max_inflight`), refreshed at scrape time.
     pub admitted: IntGauge,
+    /// Request-body bytes held (`limits.max_buffered_body_bytes`), refreshed at scrape time.
+    pub buffered_body_bytes: IntGauge,
     /// Total upstream latency (selection to last byte) per target.
     pub upstream_latency: HistogramVec,
     /// Time to the upstream's response header per target.
@@ -128,7 +130,8 @@ impl RouteMetrics {
 }
 
 /// The process-wide metrics.
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    Metrics {
     requests: register_int_counter_vec!(
         "rolter_requests_total",
         "Requests answered, by route alias, target and HTTP status",
@@ -152,6 +155,11 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         "Requests being proxied now, counted against limits.max_inflight"
     )
     .expect("register rolter_admitted_requests"),
+    buffered_body_bytes: register_int_gauge!(
+        "rolter_buffered_body_bytes",
+        "Request-body bytes held now (being read or kept for their exchange), counted against limits.max_buffered_body_bytes"
+    )
+    .expect("register rolter_buffered_body_bytes"),
     upstream_latency: register_histogram_vec!(
         "rolter_upstream_latency_seconds",
         "Upstream latency from target selection to the last response byte",
@@ -264,6 +272,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["provider", "result"]
     )
     .expect("register rolter_lmcache_polls_total"),
+}
 });
 
 /// Mirror a provider's KV-event stream state into the metrics (called at scrape time;

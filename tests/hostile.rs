@@ -59,6 +59,82 @@ struct Raw {
     buf: Vec<u8>,
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_budget() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nmax_inflight = 2\nmax_body_bytes = 70000\nmax_buffered_body_bytes = 100000\n",
+    ))
+    .await;
+    // Three clients (more than max_inflight) start bodies and stall: a slowloris.
+    let mut stalled = Vec::new();
+    for i in 0..3 {
+        let mut conn = Raw::connect(gw.port).await;
+        conn.send(&http(
+            &format!("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Length: 1000\r\nx-n: {i}"),
+            &[b' '; 10],
+        ))
+        .await;
+        stalled.push(conn);
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_buffered_body_bytes").await == Some(30.0)
+        })
+        .await,
+        "the stalled bodies' bytes are not charged"
+    );
+    // They hold no proxying slot: a complete request is proxied at once.
+    let (status, _, _) = post_chat(&gw, chat_body("alias", "not locked out", false)).await;
+    assert_eq!(status, 200);
+    assert_eq!(gw.metric("rolter_admitted_requests").await, Some(0.0));
+
+    // A body that would take the held bytes over the budget is refused with 503.
+    let mut big = Raw::connect(gw.port).await;
+    big.send(&http(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Length: 65000",
+        &vec![b' '; 60_000],
+    ))
+    .await;
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_buffered_body_bytes").await == Some(60_030.0)
+        })
+        .await
+    );
+    let second = serde_json::json!({"model": "alias", "pad": "x".repeat(50_000), "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(second.as_bytes(), "")).await;
+    let Read::Response(r) = conn.response(RESPONSE_LIMIT).await else {
+        panic!("no answer to the request over the budget");
+    };
+    assert_eq!(r.status, 503, "{:?}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "overloaded");
+    // Its bytes went back; once the big one leaves, the same request fits.
+    drop(big);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_buffered_body_bytes").await == Some(30.0)
+        })
+        .await,
+        "bytes of refused or departed bodies are not given back"
+    );
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(second.as_bytes(), "")).await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    drop(stalled);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_buffered_body_bytes").await == Some(0.0)
+        })
+        .await
+    );
+}
+
 impl Raw {
     async fn connect(port: u16) -> Raw {
         let stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();

@@ -11,11 +11,16 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 /// Default time a client has to send the whole request body (slow-body defence).
 pub const DEFAULT_CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
-/// Default cap on requests being proxied at once (all routes). Each holds a buffered
-/// body of up to `max_body_bytes`, so this also bounds that memory (1024 × 4 MiB = 4 GiB
-/// worst case). vLLM runs at most 256 sequences per replica (`--max-num-seqs` default),
-/// so 1024 keeps a four-replica fleet's batches full; beyond it clients get 503.
+/// Default cap on requests being proxied at once (all routes), counted from the end of
+/// the body's read. vLLM runs at most 256 sequences per replica (`--max-num-seqs`
+/// default), so 1024 keeps a four-replica fleet's batches full; beyond it clients get 503.
 pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
+/// Default cap on the bytes of request bodies held at once, over all connections: bodies
+/// being read and bodies kept for their exchange. It bounds buffered-body memory however
+/// many clients send at once, and a body is charged only for the bytes it has sent, so
+/// clients that dribble bodies hold little of it (and no `max_inflight` slot). 1 GiB:
+/// 256 bodies at the 4 MiB limit, or 32k prompts of 32 KiB. Beyond it: 503.
+pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 1 << 30;
 /// Default time an idle client connection is kept open for its next request, seconds
 /// (pingora keep-alive granularity). 60 s is what pingora itself allows a new
 /// connection to send its first request; pingora would keep a reused HTTP/1.1
@@ -394,6 +399,9 @@ pub struct LimitsConfig {
     pub total_timeout_ms: u64,
     /// Requests being proxied at once, over all routes; beyond it 503 + Retry-After.
     pub max_inflight: usize,
+    /// Bytes of request bodies held at once, over all connections; beyond it 503 +
+    /// Retry-After.
+    pub max_buffered_body_bytes: usize,
     /// Idle time of a kept-alive client connection between requests, seconds;
     /// 0 closes every client connection after its response.
     pub client_keepalive_timeout_s: u64,
@@ -411,6 +419,7 @@ impl Default for LimitsConfig {
             upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
             total_timeout_ms: 0,
             max_inflight: DEFAULT_MAX_INFLIGHT,
+            max_buffered_body_bytes: DEFAULT_MAX_BUFFERED_BODY_BYTES,
             client_keepalive_timeout_s: DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S,
             client_write_timeout_ms: DEFAULT_CLIENT_WRITE_TIMEOUT_MS,
         }

@@ -161,6 +161,12 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             out.push(format!("{key}: must be greater than 0"));
         }
     }
+    if l.max_buffered_body_bytes < l.max_body_bytes {
+        out.push(format!(
+            "limits.max_buffered_body_bytes: must be at least limits.max_body_bytes ({}), or a body at that limit could never be accepted",
+            l.max_body_bytes
+        ));
+    }
     out.extend(egress_problems);
     out
 }

@@ -1,12 +1,18 @@
-//! Admission control: the global cap on requests being proxied (`limits.max_inflight`)
+//! Admission control: the global cap on requests being proxied (`limits.max_inflight`),
+//! the global budget of buffered request-body bytes (`limits.max_buffered_body_bytes`),
 //! and the per-connection client limits (keep-alive idle time, write timeout).
 //!
-//! Owns: one lock-free counter of admitted requests and the RAII guard that gives a slot
-//! back however the request ends (success, error, client gone, panic). The cap is read
-//! from the live route table per request, so a reload changes it for new requests while
-//! admitted ones keep their slots.
-//! Must not: queue or wait. Beyond the cap a request is refused at once (503 with
+//! Owns: two lock-free counters and their RAII guards, which give a slot or bytes back
+//! however the request ends (success, error, client gone, panic). The caps are read from
+//! the live route table per request, so a reload changes them for new requests while
+//! admitted ones keep what they hold.
+//! Must not: queue or wait. Beyond a cap a request is refused at once (503 with
 //! `Retry-After`, error kind `overloaded`); waiting would only hold its body in memory.
+//!
+//! Why two limits: a slot is taken once the body is in, so clients that send their bodies
+//! slowly (a slowloris, or a slow link) cannot fill `max_inflight` and lock everyone out
+//! of proxying; the memory of bodies still arriving is bounded by the byte budget
+//! instead, charged as bytes arrive, so a dribbling client holds only what it sent.
 //!
 //! Pingora 0.9.1 limits that are *not* configurable, and so are not config keys:
 //! a request header of at most 1 MiB (`MAX_HEADER_SIZE` = 1,048,575 bytes) and 256
@@ -19,10 +25,40 @@ use pingora::proxy::Session;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-/// Counter of requests admitted and not yet finished.
+/// Counters of requests admitted and not yet finished, and of body bytes held.
 #[derive(Debug, Default)]
 pub struct Admission {
     inflight: AtomicUsize,
+    buffered: AtomicUsize,
+}
+
+/// Body bytes charged to one request; dropping it gives them back.
+#[derive(Debug)]
+pub struct BodyBytes<'a> {
+    counter: &'a AtomicUsize,
+    held: usize,
+}
+
+impl BodyBytes<'_> {
+    /// Charge `n` more bytes if the total stays within `cap`. Exact under contention.
+    pub fn grow(&mut self, n: usize, cap: usize) -> bool {
+        let ok = self
+            .counter
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |total| {
+                total.checked_add(n).filter(|t| *t <= cap)
+            })
+            .is_ok();
+        if ok {
+            self.held += n;
+        }
+        ok
+    }
+}
+
+impl Drop for BodyBytes<'_> {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.held, Ordering::AcqRel);
+    }
 }
 
 /// A slot held by one admitted request; dropping it frees the slot.
@@ -55,6 +91,19 @@ impl Admission {
     /// Requests admitted right now.
     pub fn inflight(&self) -> usize {
         self.inflight.load(Ordering::Acquire)
+    }
+
+    /// An empty charge of body bytes, grown as a body arrives ([`BodyBytes::grow`]).
+    pub fn body_bytes(&self) -> BodyBytes<'_> {
+        BodyBytes {
+            counter: &self.buffered,
+            held: 0,
+        }
+    }
+
+    /// Body bytes held right now.
+    pub fn buffered(&self) -> usize {
+        self.buffered.load(Ordering::Acquire)
     }
 }
 
@@ -119,5 +168,23 @@ mod tests {
         }
         assert!(max_seen.load(Ordering::Relaxed) <= CAP);
         assert_eq!(a.inflight(), 0);
+    }
+
+    #[test]
+    fn body_bytes_are_charged_within_the_budget_and_given_back() {
+        let a = Admission::new();
+        let mut one = a.body_bytes();
+        let mut two = a.body_bytes();
+        assert!(one.grow(60, 100));
+        assert!(!two.grow(50, 100), "over the budget");
+        assert_eq!(a.buffered(), 60, "a refused charge takes nothing");
+        assert!(two.grow(40, 100));
+        assert!(!one.grow(1, 100));
+        drop(one);
+        assert_eq!(a.buffered(), 40);
+        assert!(two.grow(60, 100));
+        assert!(!two.grow(usize::MAX, usize::MAX), "no overflow");
+        drop(two);
+        assert_eq!(a.buffered(), 0);
     }
 }

@@ -4,16 +4,25 @@
 //! a chunked or lying body is refused as soon as it crosses the limit. After any refusal,
 //! the rest of the body is read and discarded for a bounded while ([`discard_rest`]).
 
+use super::admission::BodyBytes;
 use super::error::GatewayError;
 use super::framing::BodyBuf;
 use pingora::proxy::Session;
 use std::time::Duration;
 
-/// Read the whole request body (at most `limit` bytes, within `timeout`).
+/// The most buffer reserved ahead of a body's bytes on the strength of its declared
+/// `Content-Length`: a larger body grows its buffer as it arrives, so a client that
+/// declares the limit and sends nothing does not get it.
+const RESERVE_AHEAD: usize = 1 << 20;
+
+/// Read the whole request body (at most `limit` bytes, within `timeout`), charging its
+/// bytes to `charge` as they arrive, within the global budget of `budget` bytes.
 pub async fn read_body(
     session: &mut Session,
     limit: usize,
     timeout: Duration,
+    charge: &mut BodyBytes<'_>,
+    budget: usize,
 ) -> Result<BodyBuf, GatewayError> {
     let declared = content_length(session)?;
     if declared.is_some_and(|n| n > limit) {
@@ -27,7 +36,8 @@ pub async fn read_body(
     }
     // Read straight into a buffer with room for the upstream request head in front
     // (`framing`): the one copy of the body the gateway makes before forwarding it.
-    let mut buf = BodyBuf::with_capacity(declared.unwrap_or(16 * 1024).min(limit));
+    let mut buf =
+        BodyBuf::with_capacity(declared.unwrap_or(16 * 1024).min(limit).min(RESERVE_AHEAD));
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
@@ -42,6 +52,9 @@ pub async fn read_body(
         };
         if buf.len() + chunk.len() > limit {
             return Err(GatewayError::PayloadTooLarge { limit });
+        }
+        if !charge.grow(chunk.len(), budget) {
+            return Err(GatewayError::BodiesOverBudget { limit: budget });
         }
         buf.extend(&chunk);
     }

@@ -18,6 +18,8 @@ pub enum GatewayError {
     ClientBodyTimeout(u64),
     #[error("the gateway is at its limit of {limit} requests in flight; retry later")]
     Overloaded { limit: usize },
+    #[error("the gateway holds its limit of {limit} bytes of request bodies; retry later")]
+    BodiesOverBudget { limit: usize },
     #[error("no eligible upstream for model '{0}'; retry later")]
     NoEligibleTarget(String),
     #[error("upstream {target} unreachable: {reason}")]
@@ -40,7 +42,9 @@ impl GatewayError {
             GatewayError::MethodNotAllowed(_) => 405,
             GatewayError::ClientBodyTimeout(_) => 408,
             GatewayError::PayloadTooLarge { .. } => 413,
-            GatewayError::NoEligibleTarget(_) | GatewayError::Overloaded { .. } => 503,
+            GatewayError::NoEligibleTarget(_)
+            | GatewayError::Overloaded { .. }
+            | GatewayError::BodiesOverBudget { .. } => 503,
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
             GatewayError::UpstreamTimeout { .. } => 504,
             // 499 (nginx's "client closed request") is only ever logged, never sent.
@@ -57,7 +61,7 @@ impl GatewayError {
             GatewayError::ClientBodyTimeout(_) => "client_body_timeout",
             GatewayError::PayloadTooLarge { .. } => "body_too_large",
             GatewayError::NoEligibleTarget(_) => "no_eligible_target",
-            GatewayError::Overloaded { .. } => "overloaded",
+            GatewayError::Overloaded { .. } | GatewayError::BodiesOverBudget { .. } => "overloaded",
             GatewayError::UpstreamConnect { .. } => "upstream_connect",
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",

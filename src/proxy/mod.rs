@@ -113,20 +113,24 @@ impl Gateway {
             return Err(GatewayError::MethodNotAllowed(method.to_string()));
         }
         let limits = &table.limits;
-        // Held until the response ends, however it ends; taken before the body is read
-        // so the cap also bounds the memory of bodies being buffered.
+        // The body's bytes stay charged while the body is kept, to the end of the exchange.
+        let mut charged = self.admission.body_bytes();
+        let mut body = body::read_body(
+            session,
+            limits.max_body_bytes,
+            Duration::from_millis(limits.client_body_timeout_ms),
+            &mut charged,
+            limits.max_buffered_body_bytes,
+        )
+        .await?;
+        // Held until the response ends, however it ends; taken once the body is in, so
+        // slow senders cannot hold the slots (their memory is the byte budget's).
         let _admitted =
             self.admission
                 .try_admit(limits.max_inflight)
                 .ok_or(GatewayError::Overloaded {
                     limit: limits.max_inflight,
                 })?;
-        let mut body = body::read_body(
-            session,
-            limits.max_body_bytes,
-            Duration::from_millis(limits.client_body_timeout_ms),
-        )
-        .await?;
         ctx.body_bytes = body.len();
         let parsed = prompt::RequestBody::parse(endpoint, body.body())
             .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
@@ -340,6 +344,9 @@ impl Gateway {
             "/metrics" => {
                 let _exporting = crate::metrics::EXPORT_LOCK.lock();
                 METRICS.admitted.set(self.admission.inflight() as i64);
+                METRICS
+                    .buffered_body_bytes
+                    .set(self.admission.buffered() as i64);
                 for (alias, sessions) in self.runtime.registry().session_tables() {
                     METRICS
                         .sessions
