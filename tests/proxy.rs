@@ -146,8 +146,10 @@ async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
         Stub::start("a").await.unwrap(),
         Stub::start("b").await.unwrap(),
     );
+    // Long enough that the five fast requests below finish while it is still in flight,
+    // even on a loaded CI machine (at 1.5 s it once ended first while a build ran).
     let slow = Behaviour {
-        delay: Duration::from_millis(1500),
+        delay: Duration::from_secs(4),
         ..Default::default()
     };
     a.set_behaviour(slow.clone());
@@ -274,6 +276,44 @@ async fn a_client_that_leaves_before_the_answer_frees_its_slot_and_the_replica_a
             .await,
         Some(1.0)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_in_the_middle_of_its_body_is_counted_as_gone() {
+    use tokio::io::AsyncWriteExt;
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
+    let body = chat_body("alias", "cut short", false);
+    let mut client = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    client
+        .write_all(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n{}",
+                body.len(),
+                &body[..body.len() / 2]
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(client);
+    let gone = "rolter_request_errors_total{kind=\"client_disconnect\"}";
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.metric(gone).await == Some(1.0)
+        })
+        .await,
+        "not counted as a client disconnect"
+    );
+    assert_eq!(
+        gw.metric("rolter_request_errors_total{kind=\"bad_request\"}")
+            .await,
+        None
+    );
+    assert!(stub.recorded().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

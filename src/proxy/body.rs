@@ -42,6 +42,17 @@ pub async fn read_body(
     loop {
         let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
             Err(_) => return Err(GatewayError::ClientBodyTimeout(timeout.as_millis() as u64)),
+            // The connection ended (closed or reset) before the body did: the client left.
+            Ok(Err(e))
+                if matches!(
+                    e.etype(),
+                    pingora::ErrorType::ConnectionClosed | pingora::ErrorType::ReadError
+                ) =>
+            {
+                return Err(GatewayError::ClientGone(format!(
+                    "the client left while sending its body: {e}"
+                )))
+            }
             Ok(Err(e)) => {
                 return Err(GatewayError::BadRequest(format!(
                     "could not read the request body: {e}"
