@@ -314,3 +314,26 @@ fn kv_cache_tokens_and_prompt_bytes_per_token() {
         );
     }
 }
+
+/// Regression: a health path with a space or a control character passed the leading-'/'
+/// check and then panicked the health prober, stopping every active health check.
+#[test]
+fn health_path_the_prober_cannot_request_is_rejected() {
+    for path in ["/health check", "/health\\u0007", "/a\\tb"] {
+        let text = GOOD.replace(
+            "api_base = \"http://127.0.0.1:8001\"",
+            &format!("api_base = \"http://127.0.0.1:8001\"\n[providers.health]\npath = \"{path}\""),
+        );
+        let problems = parse(&text, "h.toml").unwrap_err().problems();
+        assert_eq!(problems.len(), 1, "{path}: {problems:?}");
+        assert!(
+            problems[0].starts_with("providers[0].health.path: not a valid request path"),
+            "{path}: {problems:?}"
+        );
+    }
+    let text = GOOD.replace(
+        "api_base = \"http://127.0.0.1:8001\"",
+        "api_base = \"http://127.0.0.1:8001\"\n[providers.health]\npath = \"/v1/health?x=1\"",
+    );
+    assert!(parse(&text, "h.toml").is_ok());
+}

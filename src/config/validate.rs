@@ -23,6 +23,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         let h = &p.health;
         if !h.path.starts_with('/') {
             out.push(format!("providers[{i}].health.path: must start with '/'"));
+        } else if let Err(e) = pingora::http::RequestHeader::build("GET", h.path.as_bytes(), None) {
+            // The prober builds exactly this request; a path it cannot build is refused here.
+            out.push(format!(
+                "providers[{i}].health.path: not a valid request path: {e}"
+            ));
         }
         for (key, value) in [
             ("interval_ms", h.interval_ms),

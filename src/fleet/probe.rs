@@ -25,7 +25,10 @@ const TICK: Duration = Duration::from_millis(100);
 pub struct HealthProber(pub Arc<Runtime>);
 
 struct Probe {
-    check: Arc<HttpHealthCheck>,
+    /// `None` when the entry's request could not be built: the provider is skipped
+    /// (logged once per entry) rather than panicking the service, which would stop the
+    /// health checks of every provider.
+    check: Option<Arc<HttpHealthCheck>>,
     /// The provider entry the check was built for (rebuilt if a reload changed it).
     entry: ProviderEntry,
     next_due: Instant,
@@ -35,19 +38,31 @@ struct Probe {
     running: Option<tokio::task::JoinHandle<()>>,
 }
 
-fn build_check(entry: &ProviderEntry) -> HttpHealthCheck {
+/// The probe of `entry`, or why its request cannot be built.
+fn build_check(entry: &ProviderEntry) -> Result<HttpHealthCheck, pingora::BError> {
     let mut check = HttpHealthCheck::new(&entry.host, false);
-    check.req = pingora::http::RequestHeader::build("GET", entry.health.path.as_bytes(), None)
-        .expect("validated health path");
-    check
-        .req
-        .insert_header("host", entry.host.as_str())
-        .expect("host header");
+    check.req = pingora::http::RequestHeader::build("GET", entry.health.path.as_bytes(), None)?;
+    check.req.insert_header("host", entry.host.as_str())?;
     let timeout = Some(Duration::from_millis(entry.health.timeout_ms));
     check.peer_template.options.connection_timeout = timeout;
     check.peer_template.options.read_timeout = timeout;
     check.peer_template.options.write_timeout = timeout;
-    check
+    Ok(check)
+}
+
+/// [`build_check`], logging a provider it cannot probe.
+fn checked(entry: &ProviderEntry) -> Option<Arc<HttpHealthCheck>> {
+    match build_check(entry) {
+        Ok(check) => Some(Arc::new(check)),
+        Err(e) => {
+            log::warn!(
+                "provider {}: health checks skipped: cannot build GET {:?}: {e}",
+                entry.name,
+                entry.health.path
+            );
+            None
+        }
+    }
 }
 
 #[async_trait]
@@ -65,21 +80,24 @@ impl BackgroundService for HealthProber {
             let now = Instant::now();
             for entry in table.providers.iter().filter(|p| p.health.enabled) {
                 let probe = probes.entry(entry.name.clone()).or_insert_with(|| Probe {
-                    check: Arc::new(build_check(entry)),
+                    check: checked(entry),
                     entry: entry.clone(),
                     next_due: now,
                     running: None,
                 });
                 if probe.entry != *entry {
-                    probe.check = Arc::new(build_check(entry));
+                    probe.check = checked(entry);
                     probe.entry = entry.clone();
                 }
+                let Some(check) = probe.check.clone() else {
+                    continue;
+                };
                 if now < probe.next_due || probe.running.as_ref().is_some_and(|t| !t.is_finished())
                 {
                     continue;
                 }
                 probe.next_due = now + Duration::from_millis(entry.health.interval_ms);
-                let (check, entry) = (probe.check.clone(), entry.clone());
+                let entry = entry.clone();
                 let runtime = self.0.clone();
                 probe.running = Some(tokio::spawn(async move {
                     let backend = Backend {
@@ -87,7 +105,7 @@ impl BackgroundService for HealthProber {
                         weight: 1,
                         ext: Default::default(),
                     };
-                    let limit = Duration::from_millis(entry.health.timeout_ms * 2);
+                    let limit = Duration::from_millis(entry.health.timeout_ms.saturating_mul(2));
                     let ok = matches!(
                         tokio::time::timeout(limit, check.check(&backend)).await,
                         Ok(Ok(()))
@@ -125,5 +143,33 @@ impl BackgroundService for HealthProber {
                 }));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HealthConfig;
+
+    fn entry(path: &str) -> ProviderEntry {
+        ProviderEntry {
+            name: "probe-test".into(),
+            addr: "127.0.0.1:9".parse().unwrap(),
+            host: "127.0.0.1:9".into(),
+            health: HealthConfig {
+                path: path.into(),
+                ..HealthConfig::default()
+            },
+            state: Default::default(),
+        }
+    }
+
+    /// Regression: an unbuildable path panicked the service loop (`expect`), which
+    /// stopped the health checks of every provider; now that one provider is skipped.
+    #[test]
+    fn unbuildable_health_path_skips_the_provider_instead_of_panicking() {
+        assert!(checked(&entry("/health")).is_some());
+        assert!(checked(&entry("/health check")).is_none());
+        assert!(checked(&entry("/h\u{7}")).is_none());
     }
 }
