@@ -231,12 +231,14 @@ impl RouteTable {
         let mut lmcache = HashMap::new();
         let mut kv: Vec<KvEntry> = Vec::new();
         for (p, (upstream, kv_spec)) in config.providers.iter().zip(resolved) {
+            let state = registry.provider_health(&p.name);
+            state.set_enabled(p.health.enabled);
             entries.push(ProviderEntry {
                 name: p.name.clone(),
                 addr: upstream.addr,
                 host: upstream.host.clone(),
                 health: p.health.clone(),
-                state: registry.provider_health(&p.name),
+                state,
             });
             providers.insert(p.name.as_str(), upstream);
             if let Some(l) = &p.lmcache {
@@ -600,6 +602,10 @@ impl Runtime {
         let aliases: HashSet<String> = table.routes.keys().cloned().collect();
         let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
         let keep_kv: HashSet<String> = table.kv.iter().map(|e| e.provider.clone()).collect();
+        let unprobed: Vec<String> = (table.providers.iter())
+            .filter(|p| !p.health.enabled)
+            .map(|p| p.name.clone())
+            .collect();
         let routes = table.routes.len();
         // The swap: requests that loaded the old table finish on it.
         let old = self.table.swap(Arc::new(table));
@@ -624,6 +630,10 @@ impl Runtime {
             .filter(|p| !providers.contains(&p.name))
         {
             crate::metrics::forget_provider(&p.name);
+        }
+        // Nothing probes a provider whose checks are off: no health gauge, as at start.
+        for name in &unprobed {
+            crate::metrics::forget_provider(name);
         }
         for e in old.kv.iter().filter(|e| !keep_kv.contains(&e.provider)) {
             crate::metrics::forget_kv_stream(&e.provider);
@@ -782,6 +792,42 @@ mod tests {
         assert_eq!(route.strategy.name(), "cache_aware");
         assert!(Arc::ptr_eq(&route.targets[0].state, &a));
         assert_eq!(route.targets[1].state.trie.node_count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Regression: checks switched off for a provider the probes had marked down left
+    /// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
+    #[test]
+    fn switching_health_checks_off_makes_a_down_provider_eligible_again() {
+        let dir =
+            std::env::temp_dir().join(format!("rolter-runtime-health-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        let text = routes(&["hoff"], "round_robin", None);
+        std::fs::write(&path, &text).unwrap();
+        let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+        let health = rt.registry().provider_health("hoff");
+        assert!(health.observe(false, 1, 1));
+        let gauge = || METRICS.provider_healthy.with_label_values(&["hoff"]);
+        gauge().set(0);
+        assert!(!rt.table().has_eligible_target());
+
+        let off = text.replace(
+            "[providers.lmcache]",
+            "[providers.health]\nenabled = false\n[providers.lmcache]",
+        );
+        std::fs::write(&path, off).unwrap();
+        rt.reload().unwrap();
+        assert!(rt.table().has_eligible_target());
+        assert!(Arc::ptr_eq(&health, &rt.registry().provider_health("hoff")));
+        // A probe that was still running lands after the reload: ignored.
+        assert!(!health.observe(false, 1, 1));
+        assert!(rt.table().has_eligible_target());
+        let exported = crate::metrics::render();
+        assert!(
+            !String::from_utf8_lossy(&exported).contains("provider=\"hoff\""),
+            "the stale down gauge stays"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

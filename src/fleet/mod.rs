@@ -35,12 +35,15 @@ pub fn ms_at(at: Instant) -> u64 {
 }
 
 /// Active health of one provider (all its targets share it), fed by [`probe`].
-/// New providers start healthy, like pingora-load-balancing's backends.
+/// New providers start healthy, like pingora-load-balancing's backends; so does a
+/// provider whose health checks are switched off ([`set_enabled`](Self::set_enabled)).
 #[derive(Debug)]
 pub struct ProviderHealth {
     healthy: AtomicBool,
     /// Consecutive probe results that disagree with `healthy`.
     streak: AtomicU32,
+    /// Whether active health checks are on; when off, probe results are ignored.
+    enabled: AtomicBool,
 }
 
 impl Default for ProviderHealth {
@@ -48,6 +51,7 @@ impl Default for ProviderHealth {
         ProviderHealth {
             healthy: AtomicBool::new(true),
             streak: AtomicU32::new(0),
+            enabled: AtomicBool::new(true),
         }
     }
 }
@@ -58,9 +62,29 @@ impl ProviderHealth {
         self.healthy.load(Ordering::Acquire)
     }
 
+    /// Switch active health checks on or off (each table build applies the file's
+    /// `health.enabled`). Switching off makes the provider healthy: nothing probes it
+    /// any more, so a down verdict would otherwise hold forever. A probe still running
+    /// when it was switched off cannot undo that ([`observe`](Self::observe) ignores it).
+    pub fn set_enabled(&self, enabled: bool) {
+        self.enabled.store(enabled, Ordering::Release);
+        if !enabled {
+            self.streak.store(0, Ordering::Release);
+            self.healthy.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether active health checks are on.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled.load(Ordering::Acquire)
+    }
+
     /// Record one probe result; flips after `threshold` consecutive disagreeing results.
-    /// Returns true if the health flipped.
+    /// Returns true if the health flipped. Ignored while checks are off.
     pub fn observe(&self, ok: bool, healthy_threshold: u32, unhealthy_threshold: u32) -> bool {
+        if !self.is_enabled() {
+            return false;
+        }
         let healthy = self.is_healthy();
         if ok == healthy {
             self.streak.store(0, Ordering::Release);
@@ -325,6 +349,21 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn disabling_health_checks_makes_a_down_provider_healthy_for_good() {
+        let h = ProviderHealth::default();
+        assert!(h.observe(false, 1, 1));
+        assert!(!h.is_healthy());
+        h.set_enabled(false);
+        assert!(h.is_healthy());
+        // A probe that was running when checks were switched off lands late.
+        assert!(!h.observe(false, 1, 1));
+        assert!(h.is_healthy());
+        h.set_enabled(true);
+        assert!(h.observe(false, 1, 1));
+        assert!(!h.is_healthy());
+    }
 
     #[test]
     fn guard_counts_and_releases() {

@@ -126,14 +126,15 @@ impl BackgroundService for HealthProber {
                             if ok { "healthy" } else { "unhealthy" }
                         );
                     }
-                    // Not for a provider a reload removed while this probe ran: that would
-                    // re-create the gauge the reload dropped (it drops it under this lock).
+                    // Not for a provider a reload removed, or whose checks it switched off,
+                    // while this probe ran: that would re-create the gauge the reload
+                    // dropped (it drops it under this lock).
                     let _exporting = crate::metrics::EXPORT_LOCK.lock();
                     if runtime
                         .table()
                         .providers
                         .iter()
-                        .any(|p| p.name == entry.name)
+                        .any(|p| p.name == entry.name && p.health.enabled)
                     {
                         METRICS
                             .provider_healthy
