@@ -18,7 +18,10 @@
 //!    address in `addrs` is in an allow CIDR.
 //!
 //! IPv4-mapped IPv6 addresses (`::ffff:169.254.169.254`) are checked as the IPv4
-//! address they map to. Unless `deny_defaults = false`, the built-in [`DEFAULT_DENY`]
+//! address they map to. An unspecified address is checked as the loopback address it
+//! reaches on Linux (a connect to `0.0.0.0` lands on `127.0.0.1`, to `::` on `::1`), so
+//! a rule for `127.0.0.0/8` or `::1` covers it; it is not refused outright because
+//! `http://0.0.0.0:8000` is what vLLM prints and operators copy for a local replica. Unless `deny_defaults = false`, the built-in [`DEFAULT_DENY`]
 //! list is part of the deny list; an allow entry cannot override it (deny wins).
 //!
 //! Before resolution (config validation) only [`EgressPolicy::check_host`] can run: it
@@ -289,6 +292,10 @@ impl EgressPolicy {
             .iter()
             .find(|r| r.pattern.matches_addr(ip) || r.pattern.matches_addr(canon))
         {
+            Some(rule) if ip.to_canonical().is_unspecified() => Err(EgressError::Denied {
+                target: format!("{} (which reaches {canon})", target()),
+                rule: rule.describe("deny"),
+            }),
             Some(rule) => Err(EgressError::Denied {
                 target: target(),
                 rule: rule.describe("deny"),
@@ -413,9 +420,15 @@ fn literal_ip(host: &str) -> Option<IpAddr> {
         .ok()
 }
 
-/// An IPv4-mapped IPv6 address as the IPv4 address it stands for; others unchanged.
+/// The address a connection to `ip` actually reaches: an IPv4-mapped IPv6 address as
+/// the IPv4 address it stands for, an unspecified address as loopback (Linux connects
+/// `0.0.0.0` to `127.0.0.1` and `::` to `::1`); others unchanged.
 fn canonical(ip: IpAddr) -> IpAddr {
-    ip.to_canonical()
+    match ip.to_canonical() {
+        IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        other => other,
+    }
 }
 
 /// Lowercase, without a trailing dot (`Metadata.Google.Internal.` is the same host).
@@ -665,12 +678,39 @@ mod tests {
             let denied = |ip: IpAddr| net4.contains(&ip) || net6.contains(&ip);
             let mapped = IpAddr::V6(x4.to_ipv6_mapped());
             for ip in [IpAddr::V4(x4), mapped, IpAddr::V6(x6)] {
-                // An address is checked as itself and as the IPv4 address it maps to.
-                let expect = denied(ip) || denied(ip.to_canonical());
+                // An address is checked as itself and as the address it reaches.
+                let expect = denied(ip) || denied(canonical(ip));
                 proptest::prop_assert_eq!(p.check_addr(ip).is_err(), expect, "{}", ip);
                 proptest::prop_assert_eq!(p.check_resolved("h", &[ip]).is_err(), expect);
             }
         }
+    }
+
+    /// Regression: a destination of 0.0.0.0 or `::` reaches loopback on Linux but
+    /// passed a deny rule for loopback.
+    #[test]
+    fn unspecified_addresses_are_checked_as_the_loopback_they_reach() {
+        let p = policy(&[], &["127.0.0.0/8", "::1"]);
+        for addr in ["0.0.0.0", "::", "::ffff:0.0.0.0"] {
+            let err = p.check_addr(ip(addr)).unwrap_err();
+            assert!(matches!(&err, EgressError::Denied { .. }), "{addr}: {err}");
+            assert!(p.check_host(addr).is_err(), "{addr}");
+            assert!(
+                p.check_resolved("zero.test", &[ip(addr)]).is_err(),
+                "{addr}"
+            );
+        }
+        assert_eq!(
+            p.check_addr(ip("0.0.0.0")).unwrap_err().to_string(),
+            "address 0.0.0.0 (which reaches 127.0.0.1) is denied by egress rule deny \"127.0.0.0/8\" (egress.deny[0])"
+        );
+        // Only loopback is denied here: an ordinary address still passes.
+        assert!(p.check_addr(ip("10.0.0.1")).is_ok());
+        // An allow list must admit loopback for 0.0.0.0 to pass.
+        let p = policy(&["10.0.0.0/8"], &[]);
+        assert!(p.check_addr(ip("0.0.0.0")).is_err());
+        let p = policy(&["127.0.0.0/8"], &[]);
+        assert!(p.check_addr(ip("0.0.0.0")).is_ok());
     }
 
     #[test]

@@ -87,8 +87,11 @@ pub struct KvEntry {
 /// A subscriber's settings; a change restarts it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvSpec {
-    /// `tcp://ip:port` to connect to, or `tcp://*:port` to bind.
+    /// `tcp://ip:port` to connect to, or the configured wildcard (`tcp://*:port`) to bind.
     pub endpoint: String,
+    /// Bind `endpoint` rather than connect to it: decided from the configured text
+    /// ([`config::is_bind_endpoint`]), never from the address a name resolved to.
+    pub bind: bool,
     /// Topic prefix.
     pub topic: String,
     /// `tcp://ip:port` of the replay ROUTER.
@@ -211,8 +214,14 @@ impl RouteTable {
                     let resolve = |key: &'static str, url: &str| {
                         resolve_zmq(url, key, origin, index, &p.name, ctx, &egress)
                     };
+                    let bind = config::is_bind_endpoint(&k.endpoint);
                     Some(KvSpec {
-                        endpoint: resolve("kv_events.endpoint", &k.endpoint)?,
+                        endpoint: if bind {
+                            k.endpoint.clone()
+                        } else {
+                            resolve("kv_events.endpoint", &k.endpoint)?
+                        },
+                        bind,
                         topic: k.topic.clone(),
                         replay_endpoint: k
                             .replay_endpoint
@@ -458,8 +467,8 @@ fn check_lmcache(
     }
 }
 
-/// Resolve and egress-check a `tcp://host:port` ZMQ endpoint into `tcp://ip:port`.
-/// A wildcard bind (`tcp://*:port`) is a local address and passes through.
+/// Resolve and egress-check a `tcp://host:port` ZMQ endpoint the gateway connects to
+/// into `tcp://ip:port` (a wildcard bind is not a destination: the caller keeps it).
 fn resolve_zmq(
     url: &str,
     key: &'static str,
@@ -469,9 +478,6 @@ fn resolve_zmq(
     ctx: &LoadContext,
     policy: &EgressPolicy,
 ) -> Result<String, LoadError> {
-    if config::is_bind_endpoint(url) {
-        return Ok(url.to_string());
-    }
     let (host, port) = egress::url_host_port(url, 0).expect("validated zmq endpoint");
     let at = Origin {
         path: origin,

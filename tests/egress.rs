@@ -123,3 +123,56 @@ fn an_allow_list_is_applied_to_resolved_addresses() {
         "{err}"
     );
 }
+
+/// Regression: 0.0.0.0 (and `::`) reach loopback on Linux, but passed a deny rule for it,
+/// as a literal in the file and as the address a name resolves to.
+#[test]
+fn an_unspecified_destination_is_checked_as_loopback() {
+    let egress = "[egress]\ndeny = [\"127.0.0.0/8\", \"::1\"]\n";
+    for api_base in ["http://0.0.0.0:8001", "http://[::]:8001"] {
+        let problems = config::parse(&routes(api_base, None, egress), "r.toml")
+            .expect_err("denied literal")
+            .problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].starts_with("providers[0].api_base: provider \"vllm-1\": address ")
+                && problems[0].contains("is denied by egress rule deny"),
+            "{problems:?}"
+        );
+    }
+    let ctx = ctx(&[("zero.test", &["0.0.0.0"])]);
+    let err = build(&routes("http://zero.test:8001", None, egress), &ctx)
+        .err()
+        .expect("denied address")
+        .to_string();
+    assert!(
+        err.contains("address 0.0.0.0 of \"zero.test\" (which reaches 127.0.0.1) is denied"),
+        "{err}"
+    );
+}
+
+/// `[providers.kv_events]` on provider vllm-1 (whose api_base is a plain loopback).
+fn with_kv_events(endpoint: &str) -> String {
+    routes("http://127.0.0.1:8001", None, "").replace(
+        "\n\n[[routes]]",
+        &format!("\n[providers.kv_events]\nendpoint = \"{endpoint}\"\n\n[[routes]]"),
+    )
+}
+
+/// Regression: a kv_events name resolving to 0.0.0.0 was stored as `tcp://0.0.0.0:port`
+/// and the subscriber re-read that as a wildcard bind: the gateway listened instead of
+/// connecting. Bind vs connect now comes from the configured text only.
+#[test]
+fn a_kv_events_name_resolving_to_0_0_0_0_is_still_connected_to() {
+    let ctx = ctx(&[("zero.test", &["0.0.0.0"])]);
+    let table = build(&with_kv_events("tcp://zero.test:5557"), &ctx).expect("allowed");
+    let spec = &table.kv_streams()[0].spec;
+    assert_eq!(spec.endpoint, "tcp://0.0.0.0:5557");
+    assert!(!spec.bind, "a resolved destination must be connected to");
+    for wildcard in ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"] {
+        let table = build(&with_kv_events(wildcard), &ctx).expect("bind");
+        let spec = &table.kv_streams()[0].spec;
+        assert!(spec.bind, "{wildcard}");
+        assert_eq!(spec.endpoint, wildcard);
+    }
+}

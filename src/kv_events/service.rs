@@ -70,6 +70,7 @@ impl BackgroundService for KvEventService {
                 }
                 let mut cfg =
                     SubscriberConfig::new(entry.spec.endpoint.clone(), entry.spec.topic.clone());
+                cfg.bind = entry.spec.bind;
                 cfg.replay_endpoint = entry.spec.replay_endpoint.clone();
                 cfg.staleness_limit = Duration::from_millis(entry.spec.staleness_ms);
                 let sub = KvEventSubscriber::new(

@@ -22,8 +22,11 @@
 //!   disconnects mid-reply, an unknown ZMTP command). Socket reads therefore run in
 //!   their own tokio tasks; a panic there ends that task only and is handled as
 //!   "socket down".
-//! - Endpoints: `tcp://host:port` connects (vLLM binds `tcp://*:port`); a wildcard
-//!   host (`*`, `0.0.0.0`, `[::]`) binds instead, for vLLM publishers that connect.
+//! - Endpoints: `tcp://host:port` connects (vLLM binds `tcp://*:port`); with
+//!   [`SubscriberConfig::bind`] (the caller decides it from the configured text: a
+//!   wildcard host `*`, `0.0.0.0` or `[::]`) the SUB binds instead, for vLLM publishers
+//!   that connect. It is never re-derived from the endpoint string here: a host name
+//!   the caller resolved to `0.0.0.0` is still a destination.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -73,6 +76,8 @@ pub enum SubscribeError {
 pub struct SubscriberConfig {
     /// PUB endpoint, e.g. `tcp://vllm-1:5557` (connect) or `tcp://*:5557` (bind).
     pub endpoint: String,
+    /// Bind `endpoint` (a local wildcard address) instead of connecting to it.
+    pub bind: bool,
     /// Topic prefix to subscribe to ("" = everything, vLLM's default topic).
     pub topic: String,
     /// Replay ROUTER endpoint, e.g. `tcp://vllm-1:5558`.
@@ -93,10 +98,12 @@ pub struct SubscriberConfig {
 }
 
 impl SubscriberConfig {
-    /// A config with the defaults below for everything but endpoint and topic.
+    /// A config that connects to `endpoint`, with the defaults below for everything
+    /// but endpoint and topic.
     pub fn new(endpoint: impl Into<String>, topic: impl Into<String>) -> Self {
         SubscriberConfig {
             endpoint: endpoint.into(),
+            bind: false,
             topic: topic.into(),
             replay_endpoint: None,
             connect_timeout: Duration::from_secs(5),
@@ -109,14 +116,9 @@ impl SubscriberConfig {
     }
 }
 
-/// Whether to bind (wildcard host) rather than connect, and the address to use.
-fn sub_address(endpoint: &str) -> (bool, String) {
-    for wildcard in ["://*:", "://0.0.0.0:", "://[::]:"] {
-        if endpoint.contains(wildcard) {
-            return (true, endpoint.replacen("://*:", "://0.0.0.0:", 1));
-        }
-    }
-    (false, endpoint.to_string())
+/// The address to bind for a wildcard endpoint (the socket layer spells `*` as `0.0.0.0`).
+fn bind_address(endpoint: &str) -> String {
+    endpoint.replacen("://*:", "://0.0.0.0:", 1)
 }
 
 /// A live connection: the socket task and its channel.
@@ -281,12 +283,13 @@ impl KvEventSubscriber {
     async fn connect(&self) -> Result<Live, SubscribeError> {
         let mut sub = SubSocket::new();
         sub.subscribe(&self.cfg.topic).await?;
-        let (bind, addr) = sub_address(&self.cfg.endpoint);
         let attempt = async {
-            if bind {
-                sub.bind(&addr).await.map(|_| ())
+            if self.cfg.bind {
+                sub.bind(&bind_address(&self.cfg.endpoint))
+                    .await
+                    .map(|_| ())
             } else {
-                sub.connect(&addr).await
+                sub.connect(&self.cfg.endpoint).await
             }
         };
         tokio::time::timeout(self.cfg.connect_timeout, attempt)
@@ -845,15 +848,9 @@ mod tests {
     }
 
     #[test]
-    fn wildcard_hosts_bind() {
-        assert_eq!(
-            sub_address("tcp://*:5557"),
-            (true, "tcp://0.0.0.0:5557".into())
-        );
-        assert!(sub_address("tcp://0.0.0.0:5557").0);
-        assert_eq!(
-            sub_address("tcp://vllm-1:5557"),
-            (false, "tcp://vllm-1:5557".into())
-        );
+    fn wildcard_bind_address() {
+        assert_eq!(bind_address("tcp://*:5557"), "tcp://0.0.0.0:5557");
+        assert_eq!(bind_address("tcp://[::]:5557"), "tcp://[::]:5557");
+        assert!(!SubscriberConfig::new("tcp://0.0.0.0:5557", "").bind);
     }
 }
