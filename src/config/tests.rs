@@ -337,3 +337,39 @@ fn health_path_the_prober_cannot_request_is_rejected() {
     );
     assert!(parse(&text, "h.toml").is_ok());
 }
+
+/// Regression: `tcp://a:b:5557` or a host with a space passed the endpoint check, then
+/// the loader found no host in it and panicked (`expect("validated zmq endpoint")`), at
+/// start and under `-t`.
+#[test]
+fn zmq_endpoints_the_loader_cannot_resolve_are_rejected() {
+    for ok in [
+        "tcp://vllm-1:5557",
+        "tcp://10.0.0.1:5557",
+        "tcp://[::1]:5557",
+        "tcp://*:5557",
+        "tcp://0.0.0.0:5557",
+        "tcp://[::]:5557",
+    ] {
+        assert_eq!(validate::check_zmq_endpoint(ok), Ok(()), "{ok}");
+    }
+    for key in ["endpoint", "replay_endpoint"] {
+        for bad in ["tcp://a:b:5557", "tcp://host name:5557", "tcp://h\\u0007:1"] {
+            let section = if key == "endpoint" {
+                format!("endpoint = \"{bad}\"")
+            } else {
+                format!("endpoint = \"tcp://h:1\"\nreplay_endpoint = \"{bad}\"")
+            };
+            let text = GOOD.replace(
+                "api_base = \"http://127.0.0.1:8001\"",
+                &format!("api_base = \"http://127.0.0.1:8001\"\n[providers.kv_events]\n{section}"),
+            );
+            let problems = parse(&text, "z.toml").unwrap_err().problems();
+            assert_eq!(problems.len(), 1, "{bad}: {problems:?}");
+            assert!(
+                problems[0].starts_with(&format!("providers[0].kv_events.{key}: bad endpoint")),
+                "{bad}: {problems:?}"
+            );
+        }
+    }
+}

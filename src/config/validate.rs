@@ -204,7 +204,8 @@ pub fn is_bind_endpoint(endpoint: &str) -> bool {
     })
 }
 
-/// Check a `tcp://host:port` ZMQ endpoint's shape.
+/// Check a `tcp://host:port` ZMQ endpoint's shape: a wildcard bind, or exactly what
+/// the loader can resolve (the host and port [`egress::url_host_port`] reads).
 pub fn check_zmq_endpoint(endpoint: &str) -> Result<(), String> {
     let rest = endpoint
         .strip_prefix("tcp://")
@@ -213,9 +214,16 @@ pub fn check_zmq_endpoint(endpoint: &str) -> Result<(), String> {
     if host.is_empty() {
         return Err("missing host".into());
     }
-    port.parse::<u16>()
+    let port = port
+        .parse::<u16>()
         .map_err(|_| format!("bad port \"{port}\""))?;
-    Ok(())
+    if is_bind_endpoint(endpoint) {
+        return Ok(());
+    }
+    match egress::url_host_port(endpoint, 0) {
+        Some((_, p)) if p == port => Ok(()),
+        _ => Err(format!("bad host \"{host}\", expected tcp://host:port")),
+    }
 }
 
 /// Shape and egress problems of one `[providers.kv_events]`.
