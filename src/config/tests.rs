@@ -373,3 +373,35 @@ fn zmq_endpoints_the_loader_cannot_resolve_are_rejected() {
         }
     }
 }
+
+/// Regression: `[routes.timeouts]` accepted 0 for the connect and read timeouts (refused
+/// under `[limits]`): every request on the route failed 504 and tripped the breakers of
+/// targets shared with other routes.
+#[test]
+fn zero_route_connect_and_read_timeouts_are_rejected() {
+    let with = |timeouts: &str| {
+        GOOD.replace(
+            "[limits]",
+            &format!("[routes.timeouts]\n{timeouts}\n\n[limits]"),
+        )
+    };
+    let problems = parse(
+        &with("connect_timeout_ms = 0\nread_timeout_ms = 0"),
+        "t.toml",
+    )
+    .unwrap_err()
+    .problems();
+    assert_eq!(
+        problems,
+        vec![
+            "routes[0].timeouts.connect_timeout_ms: must be greater than 0",
+            "routes[0].timeouts.read_timeout_ms: must be greater than 0",
+        ]
+    );
+    let c = parse(
+        &with("connect_timeout_ms = 1\nread_timeout_ms = 1\ntotal_timeout_ms = 0"),
+        "t.toml",
+    )
+    .expect("0 total means no limit");
+    assert_eq!(c.routes[0].timeouts.read_timeout_ms, Some(1));
+}

@@ -93,6 +93,19 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "routes[{i}].prompt_bytes_per_token: must be greater than 0 and at most 64"
             ));
         }
+        // 0 would time out every request of the route (504) and trip the breakers of
+        // targets it shares with other routes; `[limits]` refuses 0 for the same keys.
+        // (`total_timeout_ms = 0` means "no limit", as under `[limits]`.)
+        for (key, value) in [
+            ("connect_timeout_ms", r.timeouts.connect_timeout_ms),
+            ("read_timeout_ms", r.timeouts.read_timeout_ms),
+        ] {
+            if value == Some(0) {
+                out.push(format!(
+                    "routes[{i}].timeouts.{key}: must be greater than 0"
+                ));
+            }
+        }
         if r.session_ttl_s == 0 || r.session_cap == 0 {
             out.push(format!(
                 "routes[{i}]: session_ttl_s and session_cap must be greater than 0"
