@@ -405,3 +405,25 @@ fn zero_route_connect_and_read_timeouts_are_rejected() {
     .expect("0 total means no limit");
     assert_eq!(c.routes[0].timeouts.read_timeout_ms, Some(1));
 }
+
+/// Regression: `session_ttl_s = 18446744073709552` passed; the session table's
+/// `ttl_s * 1000` then overflowed (a panic in debug, a 384 ms TTL in release).
+#[test]
+fn session_ttl_is_bounded_to_30_days() {
+    let with = |ttl: u64| {
+        GOOD.replace(
+            "strategy = \"round_robin\"",
+            &format!("strategy = \"round_robin\"\nsession_ttl_s = {ttl}"),
+        )
+    };
+    let max = crate::routing::session::MAX_SESSION_TTL_S;
+    assert_eq!(max, 2_592_000);
+    assert!(parse(&with(max), "s.toml").is_ok());
+    for ttl in [max + 1, 18_446_744_073_709_552] {
+        let problems = parse(&with(ttl), "s.toml").unwrap_err().problems();
+        assert_eq!(
+            problems,
+            vec!["routes[0].session_ttl_s: must be at most 2592000 (30 days)"]
+        );
+    }
+}

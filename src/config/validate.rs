@@ -111,6 +111,12 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "routes[{i}]: session_ttl_s and session_cap must be greater than 0"
             ));
         }
+        if r.session_ttl_s > crate::routing::session::MAX_SESSION_TTL_S {
+            out.push(format!(
+                "routes[{i}].session_ttl_s: must be at most {} (30 days)",
+                crate::routing::session::MAX_SESSION_TTL_S
+            ));
+        }
         let w = &r.pipeline;
         for (key, v) in [
             ("static_weight", w.static_weight),

@@ -12,6 +12,9 @@ use std::sync::Arc;
 pub const DEFAULT_SESSION_TTL_S: u64 = 300;
 /// Default most sessions remembered per route.
 pub const DEFAULT_SESSION_CAP: usize = 100_000;
+/// Longest `session_ttl_s` the config accepts: 30 days (affinity is a cache hint; no
+/// replica's KV cache holds a prefix that long), far from any overflow in milliseconds.
+pub const MAX_SESSION_TTL_S: u64 = 30 * 24 * 3600;
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -33,7 +36,7 @@ impl SessionTable {
     pub fn new(ttl_s: u64, cap: usize) -> Self {
         SessionTable {
             map: DashMap::new(),
-            ttl_ms: AtomicU64::new(ttl_s * 1000),
+            ttl_ms: AtomicU64::new(ttl_s.saturating_mul(1000)),
             cap: AtomicU64::new(cap as u64),
             evictions: AtomicU64::new(0),
         }
@@ -41,7 +44,8 @@ impl SessionTable {
 
     /// Apply new settings (config reload) without losing entries.
     pub fn configure(&self, ttl_s: u64, cap: usize) {
-        self.ttl_ms.store(ttl_s * 1000, Ordering::Relaxed);
+        self.ttl_ms
+            .store(ttl_s.saturating_mul(1000), Ordering::Relaxed);
         self.cap.store(cap as u64, Ordering::Relaxed);
     }
 
@@ -53,7 +57,7 @@ impl SessionTable {
 
     /// Pin (or re-pin) a session to `target` from `now_ms` for one TTL.
     pub fn put(&self, session: &str, target: &str, now_ms: u64) {
-        let expires_ms = now_ms + self.ttl_ms.load(Ordering::Relaxed);
+        let expires_ms = now_ms.saturating_add(self.ttl_ms.load(Ordering::Relaxed));
         match self.map.get_mut(session) {
             Some(mut e) => {
                 if &*e.target != target {
@@ -135,6 +139,18 @@ mod tests {
         assert_eq!(t.get("s", 1_900), None);
         t.put("s", "b", 2_000);
         assert_eq!(t.get("s", 2_001).as_deref(), Some("b"));
+    }
+
+    /// Regression: `ttl_s * 1000` overflowed for a huge TTL (a panic in debug builds, a
+    /// TTL of 384 ms in release).
+    #[test]
+    fn a_huge_ttl_saturates_instead_of_overflowing() {
+        let t = SessionTable::new(18_446_744_073_709_552, 10);
+        t.put("s", "a", 5_000);
+        assert_eq!(t.get("s", 5_000 + 3_600_000).as_deref(), Some("a"));
+        t.configure(u64::MAX, 10);
+        t.put("s", "a", u64::MAX - 1);
+        assert_eq!(t.get("s", u64::MAX - 1).as_deref(), Some("a"));
     }
 
     #[test]
