@@ -147,9 +147,16 @@ impl Breaker {
             }
             Outcome::Failure => {
                 let mut c = self.counters.lock();
-                if self.state.load(Ordering::Acquire) == HALF_OPEN {
-                    self.open(now_ms, cfg);
-                    return Some(Transition::CircuitOpened);
+                match self.state.load(Ordering::Acquire) {
+                    HALF_OPEN => {
+                        self.open(now_ms, cfg);
+                        return Some(Transition::CircuitOpened);
+                    }
+                    // A request admitted before the circuit opened, failing late: the
+                    // circuit already knows. Counting it would start a cooldown whose
+                    // shorter end overwrites the open back-off.
+                    OPEN => return None,
+                    _ => {}
                 }
                 c.failures += 1;
                 self.dirty.store(1, Ordering::Release);
@@ -244,6 +251,33 @@ mod tests {
         b.report(Outcome::Success, 1_010, &c);
         assert_eq!(b.state(), CircuitState::Closed);
         assert!(b.eligible(1_010) && b.admit(1_010));
+    }
+
+    /// Regression: with requests in flight when a replica died, the failures after the
+    /// one that opened the circuit started a cooldown whose end (cooldown_ms) overwrote
+    /// the open back-off (open_ms): the circuit half-opened after 1 s instead of 10 s.
+    #[test]
+    fn late_failures_do_not_shorten_an_open_circuit() {
+        let c = BreakerConfig::default();
+        let b = Breaker::default();
+        let opened_at = c.failure_threshold * c.open_after_cooldowns;
+        let mut transitions = Vec::new();
+        for _ in 0..opened_at + 3 {
+            transitions.push(b.report(Outcome::Failure, 0, &c));
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+        assert_eq!(
+            transitions[opened_at as usize - 1],
+            Some(Transition::CircuitOpened)
+        );
+        assert!(
+            transitions[opened_at as usize..]
+                .iter()
+                .all(Option::is_none),
+            "{transitions:?}"
+        );
+        assert!(!b.eligible(c.open_ms - 1) && !b.admit(c.open_ms - 1));
+        assert!(b.eligible(c.open_ms) && b.admit(c.open_ms));
     }
 
     #[test]
