@@ -36,6 +36,16 @@ pub enum Outcome {
     Abandoned,
 }
 
+/// What [`Breaker::admit`] granted; handed back to [`Breaker::report`], so only the
+/// request that took an open circuit's half-open slot can resolve it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// An ordinary request (the circuit was closed).
+    Normal,
+    /// The open circuit's single half-open probe.
+    Probe,
+}
+
 /// A state change worth counting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
@@ -93,13 +103,13 @@ impl Breaker {
         }
     }
 
-    /// Claim the right to send a request that was just routed here. Always true for a
-    /// closed circuit; for an open one past its back-off, true for exactly one caller
-    /// (the half-open probe).
-    pub fn admit(&self, now_ms: u64) -> bool {
+    /// Claim the right to send a request that was just routed here. Always granted on a
+    /// closed circuit; on an open one past its back-off, granted to exactly one caller
+    /// (the half-open [`Admission::Probe`]).
+    pub fn admit(&self, now_ms: u64) -> Option<Admission> {
         match self.state.load(Ordering::Acquire) {
-            CLOSED => true,
-            HALF_OPEN => false,
+            CLOSED => Some(Admission::Normal),
+            HALF_OPEN => None,
             _ => {
                 let claimed = now_ms >= self.blocked_until_ms.load(Ordering::Acquire)
                     && self
@@ -112,15 +122,24 @@ impl Breaker {
                 // back-off is not over: give the circuit back.
                 if claimed && now_ms < self.blocked_until_ms.load(Ordering::Acquire) {
                     self.state.store(OPEN, Ordering::Release);
-                    return false;
+                    return None;
                 }
-                claimed
+                claimed.then_some(Admission::Probe)
             }
         }
     }
 
-    /// Record how an admitted request ended; returns the transition it caused, if any.
-    pub fn report(&self, outcome: Outcome, now_ms: u64, cfg: &BreakerConfig) -> Option<Transition> {
+    /// Record how a request admitted as `admission` ended; returns the transition it
+    /// caused, if any. Any success closes the circuit (the target answered); only the
+    /// probe's failure or abandonment resolves a half-open circuit.
+    pub fn report(
+        &self,
+        admission: Admission,
+        outcome: Outcome,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> Option<Transition> {
+        let probe = admission == Admission::Probe;
         match outcome {
             Outcome::Success => {
                 if self.dirty.load(Ordering::Acquire) == 0
@@ -136,22 +155,27 @@ impl Breaker {
                 (was != CLOSED).then_some(Transition::CircuitClosed)
             }
             Outcome::Abandoned => {
-                // A probe that told us nothing frees the slot for the next probe.
-                let _ = self.state.compare_exchange(
-                    HALF_OPEN,
-                    OPEN,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
+                // A probe that told us nothing frees the slot for the next probe. (An
+                // older request must not: the probe would still run, beside a second.)
+                if probe {
+                    let _ = self.state.compare_exchange(
+                        HALF_OPEN,
+                        OPEN,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
                 None
             }
             Outcome::Failure => {
                 let mut c = self.counters.lock();
                 match self.state.load(Ordering::Acquire) {
-                    HALF_OPEN => {
+                    HALF_OPEN if probe => {
                         self.open(now_ms, cfg);
                         return Some(Transition::CircuitOpened);
                     }
+                    // An older request failing late while the probe runs: the probe decides.
+                    HALF_OPEN => return None,
                     // A request admitted before the circuit opened, failing late: the
                     // circuit already knows. Counting it would start a cooldown whose
                     // shorter end overwrites the open back-off.
@@ -207,50 +231,54 @@ mod tests {
     #[test]
     fn failures_below_threshold_keep_it_eligible_and_success_resets() {
         let b = Breaker::default();
-        b.report(Outcome::Failure, 0, &cfg());
+        b.report(Admission::Normal, Outcome::Failure, 0, &cfg());
         assert!(b.eligible(0));
-        b.report(Outcome::Success, 1, &cfg());
-        b.report(Outcome::Failure, 2, &cfg());
+        b.report(Admission::Normal, Outcome::Success, 1, &cfg());
+        b.report(Admission::Normal, Outcome::Failure, 2, &cfg());
         assert!(b.eligible(2), "the success must have reset the count");
     }
 
     #[test]
     fn cooldown_grows_then_caps_then_the_circuit_opens() {
         let (b, c) = (Breaker::default(), cfg());
-        b.report(Outcome::Failure, 0, &c);
-        b.report(Outcome::Failure, 0, &c);
+        b.report(Admission::Normal, Outcome::Failure, 0, &c);
+        b.report(Admission::Normal, Outcome::Failure, 0, &c);
         assert!(
             !b.eligible(99) && b.eligible(100),
             "first cooldown is 100 ms"
         );
-        b.report(Outcome::Failure, 100, &c);
-        b.report(Outcome::Failure, 100, &c);
+        b.report(Admission::Normal, Outcome::Failure, 100, &c);
+        b.report(Admission::Normal, Outcome::Failure, 100, &c);
         assert!(
             !b.eligible(249) && b.eligible(250),
             "second is min(200, 150)"
         );
         assert_eq!(b.state(), CircuitState::Closed);
-        b.report(Outcome::Failure, 250, &c);
-        b.report(Outcome::Failure, 250, &c);
+        b.report(Admission::Normal, Outcome::Failure, 250, &c);
+        b.report(Admission::Normal, Outcome::Failure, 250, &c);
         assert_eq!(b.state(), CircuitState::Open);
-        assert!(!b.eligible(1_249) && !b.admit(1_249));
+        assert!(!b.eligible(1_249) && b.admit(1_249).is_none());
     }
 
     #[test]
     fn half_open_admits_one_probe_and_closes_on_success() {
         let (b, c) = (Breaker::default(), cfg());
         for _ in 0..6 {
-            b.report(Outcome::Failure, 0, &c);
+            b.report(Admission::Normal, Outcome::Failure, 0, &c);
         }
         assert_eq!(b.state(), CircuitState::Open);
         assert!(b.eligible(1_000));
-        assert!(b.admit(1_000), "first caller gets the probe");
-        assert!(!b.admit(1_000), "only one probe at a time");
+        assert_eq!(
+            b.admit(1_000),
+            Some(Admission::Probe),
+            "first caller gets the probe"
+        );
+        assert_eq!(b.admit(1_000), None, "only one probe at a time");
         assert!(!b.eligible(1_000));
         assert_eq!(b.state(), CircuitState::HalfOpen);
-        b.report(Outcome::Success, 1_010, &c);
+        b.report(Admission::Probe, Outcome::Success, 1_010, &c);
         assert_eq!(b.state(), CircuitState::Closed);
-        assert!(b.eligible(1_010) && b.admit(1_010));
+        assert!(b.eligible(1_010) && b.admit(1_010) == Some(Admission::Normal));
     }
 
     /// Regression: with requests in flight when a replica died, the failures after the
@@ -263,7 +291,7 @@ mod tests {
         let opened_at = c.failure_threshold * c.open_after_cooldowns;
         let mut transitions = Vec::new();
         for _ in 0..opened_at + 3 {
-            transitions.push(b.report(Outcome::Failure, 0, &c));
+            transitions.push(b.report(Admission::Normal, Outcome::Failure, 0, &c));
         }
         assert_eq!(b.state(), CircuitState::Open);
         assert_eq!(
@@ -276,26 +304,50 @@ mod tests {
                 .all(Option::is_none),
             "{transitions:?}"
         );
-        assert!(!b.eligible(c.open_ms - 1) && !b.admit(c.open_ms - 1));
-        assert!(b.eligible(c.open_ms) && b.admit(c.open_ms));
+        assert!(!b.eligible(c.open_ms - 1) && b.admit(c.open_ms - 1).is_none());
+        assert!(b.eligible(c.open_ms) && b.admit(c.open_ms).is_some());
     }
 
     #[test]
     fn failed_probe_reopens_and_abandoned_probe_frees_the_slot() {
         let (b, c) = (Breaker::default(), cfg());
         for _ in 0..6 {
-            b.report(Outcome::Failure, 0, &c);
+            b.report(Admission::Normal, Outcome::Failure, 0, &c);
         }
-        assert!(b.admit(1_000));
-        b.report(Outcome::Failure, 1_000, &c);
+        assert_eq!(b.admit(1_000), Some(Admission::Probe));
+        b.report(Admission::Probe, Outcome::Failure, 1_000, &c);
         assert_eq!(b.state(), CircuitState::Open);
         assert!(!b.eligible(1_999) && b.eligible(2_000));
-        assert!(b.admit(2_000));
-        b.report(Outcome::Abandoned, 2_001, &c);
+        assert_eq!(b.admit(2_000), Some(Admission::Probe));
+        b.report(Admission::Probe, Outcome::Abandoned, 2_001, &c);
         assert_eq!(b.state(), CircuitState::Open);
         assert!(
-            b.admit(2_001),
+            b.admit(2_001).is_some(),
             "abandoned probe lets the next request probe"
         );
+    }
+
+    /// Regression: a request admitted before the circuit opened and ending while the
+    /// probe ran resolved the half-open circuit in the probe's place: abandoned, it
+    /// re-opened the slot so a second probe ran beside the first; failed, it re-opened
+    /// the circuit for a new back-off although the probe was still out.
+    #[test]
+    fn only_the_probe_resolves_a_half_open_circuit() {
+        let (b, c) = (Breaker::default(), cfg());
+        let old = b.admit(0).expect("closed");
+        for _ in 0..6 {
+            b.report(Admission::Normal, Outcome::Failure, 0, &c);
+        }
+        assert_eq!(b.admit(1_000), Some(Admission::Probe));
+        assert_eq!(b.report(old, Outcome::Abandoned, 1_001, &c), None);
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert_eq!(b.admit(1_001), None, "a second probe while the first runs");
+        assert_eq!(b.report(old, Outcome::Failure, 1_002, &c), None);
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert_eq!(
+            b.report(Admission::Probe, Outcome::Failure, 1_003, &c),
+            Some(Transition::CircuitOpened)
+        );
+        assert!(!b.eligible(2_002) && b.eligible(2_003));
     }
 }

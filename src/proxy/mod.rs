@@ -221,11 +221,11 @@ impl Gateway {
                 break;
             };
             let target = &route.targets[decision.target];
-            if !target.state.breaker.admit(now) {
+            let Some(admission) = target.state.breaker.admit(now) else {
                 // Another request took this open circuit's single half-open probe.
                 excluded.push(decision.target);
                 continue;
-            }
+            };
             ctx.attempts += 1;
             ctx.target = Some(target.state.label().to_string());
             ctx.reason = decision.reason.as_str();
@@ -288,7 +288,7 @@ impl Gateway {
                 target
                     .state
                     .breaker
-                    .report(outcome, ms_at(now_instant), &table.breaker)
+                    .report(admission, outcome, ms_at(now_instant), &table.breaker)
             {
                 log::warn!("target {}: {}", target.state.label(), t.as_str());
                 METRICS
