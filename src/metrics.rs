@@ -359,12 +359,16 @@ pub fn export_trie(target: &str, nodes: usize, evictions: u64) {
 }
 
 /// Drop the per-target series of a target a reload removed (its state is dropped too;
-/// if it comes back it starts from zero). Cumulative request and latency series stay.
+/// if it comes back it starts from zero, histograms included: requests still in flight
+/// on the old state observe into handles no longer exported). The per-route request
+/// counters stay.
 pub fn forget_target(target: &str) {
     let m = &*METRICS;
     let _ = m.inflight.remove_label_values(&[target]);
     let _ = m.trie_nodes.remove_label_values(&[target]);
     let _ = m.trie_evictions.remove_label_values(&[target]);
+    let _ = m.upstream_ttfb.remove_label_values(&[target]);
+    let _ = m.upstream_latency.remove_label_values(&[target]);
 }
 
 /// Drop the health gauge of a provider a reload removed.

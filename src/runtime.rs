@@ -836,4 +836,32 @@ mod tests {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// Regression: a target a reload removed kept its upstream TTFB and latency
+    /// histogram series (its in-flight and trie series were dropped).
+    #[test]
+    fn a_removed_target_loses_its_upstream_histograms() {
+        let dir =
+            std::env::temp_dir().join(format!("rolter-runtime-forget-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        std::fs::write(&path, routes(&["fgt-a", "fgt-b"], "round_robin", None)).unwrap();
+        let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+        let b = rt.registry().get_or_create(&key("fgt-b"));
+        b.observe_upstream(Duration::from_millis(5), Duration::from_millis(9));
+        let exported = || String::from_utf8(crate::metrics::render()).unwrap();
+        for series in [
+            "rolter_upstream_ttfb_seconds_count",
+            "rolter_upstream_latency_seconds_count",
+        ] {
+            assert!(exported().contains(&format!("{series}{{target=\"fgt-b/m\"}} 1")));
+        }
+        std::fs::write(&path, routes(&["fgt-a"], "round_robin", None)).unwrap();
+        rt.reload().unwrap();
+        // A request still in flight on the removed state does not bring them back.
+        b.observe_upstream(Duration::from_millis(5), Duration::from_millis(9));
+        let text = exported();
+        assert!(!text.contains("target=\"fgt-b/m\""), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

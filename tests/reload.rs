@@ -255,6 +255,14 @@ async fn twenty_reloads_under_load_fail_no_request_and_keep_the_surviving_trie()
             None,
             "reload {i}: {gone} was removed"
         );
+        assert_eq!(
+            gw.metric(&format!(
+                "rolter_upstream_ttfb_seconds_count{{target=\"{gone}\"}}"
+            ))
+            .await,
+            None,
+            "reload {i}: {gone}'s histograms were dropped"
+        );
         // a's trie only grows: its state survived the swap.
         let now = gw.metric(trie_a).await.expect("a's trie is exported");
         assert!(
