@@ -32,10 +32,11 @@ use thiserror::Error;
 pub enum LoadError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("{path}: providers[{index}].api_base: cannot resolve \"{authority}\": {reason}")]
+    #[error("{path}: providers[{index}].{key}: cannot resolve \"{authority}\": {reason}")]
     Resolve {
         path: String,
         index: usize,
+        key: &'static str,
         authority: String,
         reason: String,
     },
@@ -525,6 +526,7 @@ fn resolve_outbound(
         OutboundError::Resolve { reason, .. } => LoadError::Resolve {
             path: at.path.to_string(),
             index: at.index,
+            key,
             authority: authority.to_string(),
             reason,
         },

@@ -176,3 +176,28 @@ fn a_kv_events_name_resolving_to_0_0_0_0_is_still_connected_to() {
         assert_eq!(spec.endpoint, wildcard);
     }
 }
+
+/// Regression: a kv_events name that did not resolve was reported under
+/// `providers[i].api_base`.
+#[test]
+fn an_unresolvable_kv_events_name_is_reported_under_its_own_key() {
+    let ctx = ctx(&[("kv.test", &["127.0.0.1"])]);
+    for (key, text) in [
+        ("endpoint", with_kv_events("tcp://nowhere.test:5557")),
+        (
+            "replay_endpoint",
+            with_kv_events("tcp://kv.test:5557").replace(
+                "5557\"\n",
+                "5557\"\nreplay_endpoint = \"tcp://nowhere.test:5558\"\n",
+            ),
+        ),
+    ] {
+        let err = build(&text, &ctx).err().expect("unresolvable").to_string();
+        assert!(
+            err.starts_with(&format!(
+                "r.toml: providers[0].kv_events.{key}: cannot resolve \"nowhere.test:"
+            )),
+            "{err}"
+        );
+    }
+}
