@@ -866,4 +866,33 @@ mod tests {
         assert!(!text.contains("target=\"fgt-b/m\""), "{text}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// Regression: a reload changing `kv_events.max_blocks` was accepted but ignored:
+    /// the provider's index kept the cap it was created with.
+    #[test]
+    fn a_reload_applies_a_new_kv_events_max_blocks_to_the_kept_index() {
+        let dir =
+            std::env::temp_dir().join(format!("rolter-runtime-maxblocks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        let text = routes(&["mb-a"], "round_robin", None);
+        std::fs::write(&path, &text).unwrap();
+        let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+        let index = rt.registry().kv_states()[0].1.index.clone();
+        assert_eq!(
+            index.max_entries(),
+            crate::prefix::residency::DEFAULT_MAX_ENTRIES
+        );
+        let capped = text.replace(
+            "endpoint = \"tcp://127.0.0.1:5557\"\n",
+            "endpoint = \"tcp://127.0.0.1:5557\"\nmax_blocks = 5\n",
+        );
+        assert_ne!(capped, text);
+        std::fs::write(&path, capped).unwrap();
+        rt.reload().unwrap();
+        let kept = rt.registry().kv_states()[0].1.index.clone();
+        assert!(Arc::ptr_eq(&kept, &index), "the index survives the reload");
+        assert_eq!(index.max_entries(), 5);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

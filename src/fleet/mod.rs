@@ -296,9 +296,12 @@ impl Registry {
         table
     }
 
-    /// A provider's KV-event state, created on first use with a `max_blocks` cap.
+    /// A provider's KV-event state (kept across reloads, so its index survives), with
+    /// its index capped at `max_blocks` (entries past a lowered cap are evicted now and
+    /// counted as the stream's evictions).
     pub fn kv_state(&self, provider: &str, max_blocks: usize) -> Arc<KvState> {
-        self.kv
+        let state = self
+            .kv
             .entry(provider.to_string())
             .or_insert_with(|| {
                 Arc::new(KvState {
@@ -306,7 +309,10 @@ impl Registry {
                     stream: Arc::new(StreamState::new()),
                 })
             })
-            .clone()
+            .clone();
+        let evicted = state.index.set_max_entries(max_blocks);
+        StreamState::bump(&state.stream.evictions, evicted);
+        state
     }
 
     /// Every provider's KV-event state.

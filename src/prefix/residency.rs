@@ -38,9 +38,9 @@
 //! - The block size is learned from the first store that carries tokens; stores of
 //!   another size are skipped (`foreign_block_size_stores`).
 //!
-//! Bounds: at most `max_entries` entries (resident or remembered); past that the
-//! oldest remembered-removed entries go first, then the least recently stored
-//! resident ones. Eviction queues are lazily invalidated and compacted, so memory
+//! Bounds: at most `max_entries` entries (resident or remembered; a reload may change
+//! the cap, evicting down to it at once); past that the oldest remembered-removed
+//! entries go first, then the least recently stored resident ones. Eviction queues are lazily invalidated and compacted, so memory
 //! stays O(max_entries).
 //!
 //! Concurrency: one `RwLock` per target (no lock spans targets). Readers hash the
@@ -51,7 +51,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;
 
@@ -540,7 +540,8 @@ impl Inner {
 /// One target's block residency (see the module header).
 pub struct ResidencyIndex {
     inner: RwLock<Inner>,
-    max_entries: usize,
+    /// The cap; changed only under the write lock ([`set_max_entries`](Self::set_max_entries)).
+    max_entries: AtomicUsize,
     /// Learned block size for lock-free reads (0 = none yet).
     block_size: AtomicU32,
 }
@@ -556,18 +557,31 @@ impl ResidencyIndex {
     pub fn new(max_entries: usize) -> Self {
         ResidencyIndex {
             inner: RwLock::new(Inner::default()),
-            max_entries: max_entries.max(1),
+            max_entries: AtomicUsize::new(max_entries.max(1)),
             block_size: AtomicU32::new(0),
         }
+    }
+
+    /// Change the cap (at least 1; a config reload), evicting down to it at once the
+    /// same way a store past the cap does. Returns the entries evicted.
+    pub fn set_max_entries(&self, max_entries: usize) -> u64 {
+        let max_entries = max_entries.max(1);
+        let mut inner = self.inner.write();
+        self.max_entries.store(max_entries, Ordering::Relaxed);
+        let mut stats = ApplyStats::default();
+        inner.enforce_cap(max_entries, &mut stats);
+        inner.maybe_compact();
+        stats.evictions
     }
 
     /// Apply a batch's events in order under one write lock.
     pub fn apply(&self, events: &[KvEvent]) -> ApplyStats {
         let mut stats = ApplyStats::default();
         let mut inner = self.inner.write();
+        let max_entries = self.max_entries.load(Ordering::Relaxed);
         for ev in events {
             match ev {
-                KvEvent::BlockStored(s) => inner.store(s, self.max_entries, &mut stats),
+                KvEvent::BlockStored(s) => inner.store(s, max_entries, &mut stats),
                 KvEvent::BlockRemoved(r) => inner.remove_event(r, &mut stats),
                 KvEvent::AllBlocksCleared => {
                     inner.clear_blocks();
@@ -656,7 +670,7 @@ impl ResidencyIndex {
 
     /// The cap on entries.
     pub fn max_entries(&self) -> usize {
-        self.max_entries
+        self.max_entries.load(Ordering::Relaxed)
     }
 
     /// Tiers the block `(group, hash)` is resident in.
@@ -690,7 +704,7 @@ impl ResidencyIndex {
     #[cfg(test)]
     fn check_invariants(&self) {
         let inner = self.inner.read();
-        assert!(inner.entries.len() <= self.max_entries, "cap exceeded");
+        assert!(inner.entries.len() <= self.max_entries(), "cap exceeded");
         let mut refs: HashMap<u64, (u32, u32)> = HashMap::new();
         let mut gpu = 0;
         for e in inner.entries.values() {
@@ -931,6 +945,34 @@ mod tests {
         idx.check_invariants();
     }
 
+    /// Regression: a reload lowering `kv_events.max_blocks` was accepted but ignored
+    /// (the index kept its creation-time cap).
+    #[test]
+    fn lowering_the_cap_evicts_down_to_it_removed_first() {
+        let idx = ResidencyIndex::new(8);
+        let (t, u, v) = (toks(1, 0), toks(1, 50), toks(1, 90));
+        idx.apply(&[
+            stored(&[1], None, &t, None),
+            stored(&[2], None, &u, None),
+            stored(&[3], None, &v, None),
+            stored(&[4], Some(3), &t, None),
+        ]);
+        idx.apply(&[removed(&[3], None)]); // 3 remembered, 1, 2, 4 resident
+        assert_eq!(idx.set_max_entries(2), 2);
+        assert_eq!((idx.max_entries(), idx.entry_count()), (2, 2));
+        assert!(!idx.tiers(0, BlockHash(3)).any(), "removed goes first");
+        assert!(!idx.tiers(0, BlockHash(1)).any(), "then the oldest");
+        assert!(idx.tiers(0, BlockHash(2)).gpu() && idx.tiers(0, BlockHash(4)).gpu());
+        idx.check_invariants();
+        // The new cap holds for later stores; raising it evicts nothing.
+        let s = idx.apply(&[stored(&[5], None, &t, None)]);
+        assert_eq!((s.evictions, idx.entry_count()), (1, 2));
+        assert_eq!(idx.set_max_entries(10), 0);
+        idx.apply(&[stored(&[6], None, &u, None)]);
+        assert_eq!(idx.entry_count(), 3);
+        idx.check_invariants();
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Store {
@@ -1028,9 +1070,20 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
         #[test]
-        fn cap_is_never_exceeded(ops in proptest::collection::vec(op_strategy(), 1..80), cap in 1usize..12) {
+        fn cap_is_never_exceeded(
+            ops in proptest::collection::vec(op_strategy(), 1..80),
+            cap in 1usize..12,
+            recap in proptest::option::of((0usize..80, 1usize..12)),
+        ) {
             let idx = ResidencyIndex::new(cap);
-            for op in &ops {
+            let mut cap = cap;
+            for (i, op) in ops.iter().enumerate() {
+                // A reload may change the cap between batches.
+                if let Some((_, new_cap)) = recap.filter(|&(at, _)| at == i) {
+                    idx.set_max_entries(new_cap);
+                    cap = new_cap;
+                    prop_assert!(idx.entry_count() <= cap);
+                }
                 idx.apply(&[to_event(op)]);
                 prop_assert!(idx.entry_count() <= cap);
                 idx.check_invariants();
