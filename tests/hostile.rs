@@ -68,6 +68,10 @@ async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_
         "[limits]\nmax_inflight = 2\nmax_body_bytes = 70000\nmax_buffered_body_bytes = 100000\n",
     ))
     .await;
+    // A body is charged for the buffer it holds: 2 KiB of room for the upstream request
+    // head plus its declared length, up to 64 KiB ahead of its bytes (it grows as they
+    // come).
+    let charge = |declared: usize| (2048 + declared.min(64 * 1024)) as f64;
     // Three clients (more than max_inflight) start bodies and stall: a slowloris.
     let mut stalled = Vec::new();
     for i in 0..3 {
@@ -81,26 +85,29 @@ async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_
     }
     assert!(
         eventually(Duration::from_secs(3), || async {
-            gw.metric("rolter_buffered_body_bytes").await == Some(30.0)
+            gw.metric("rolter_buffered_body_bytes").await == Some(3.0 * charge(1000))
         })
         .await,
-        "the stalled bodies' bytes are not charged"
+        "the stalled bodies' buffers are not charged"
     );
     // They hold no proxying slot: a complete request is proxied at once.
     let (status, _, _) = post_chat(&gw, chat_body("alias", "not locked out", false)).await;
     assert_eq!(status, 200);
     assert_eq!(gw.metric("rolter_admitted_requests").await, Some(0.0));
 
-    // A body that would take the held bytes over the budget is refused with 503.
+    // A client that declares a large body and sends 10 bytes of it holds (and is charged
+    // for) its whole reserve; a body that would take the held bytes over the budget is
+    // refused with 503.
     let mut big = Raw::connect(gw.port).await;
     big.send(&http(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Length: 65000",
-        &vec![b' '; 60_000],
+        &[b' '; 10],
     ))
     .await;
     assert!(
         eventually(Duration::from_secs(3), || async {
-            gw.metric("rolter_buffered_body_bytes").await == Some(60_030.0)
+            gw.metric("rolter_buffered_body_bytes").await
+                == Some(3.0 * charge(1000) + charge(65_000))
         })
         .await
     );
@@ -118,7 +125,7 @@ async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_
     drop(big);
     assert!(
         eventually(Duration::from_secs(3), || async {
-            gw.metric("rolter_buffered_body_bytes").await == Some(30.0)
+            gw.metric("rolter_buffered_body_bytes").await == Some(3.0 * charge(1000))
         })
         .await,
         "bytes of refused or departed bodies are not given back"

@@ -6,17 +6,18 @@
 
 use super::admission::BodyBytes;
 use super::error::GatewayError;
-use super::framing::BodyBuf;
+use super::framing::{BodyBuf, HEAD_ROOM};
 use pingora::proxy::Session;
 use std::time::Duration;
 
 /// The most buffer reserved ahead of a body's bytes on the strength of its declared
-/// `Content-Length`: a larger body grows its buffer as it arrives, so a client that
-/// declares the limit and sends nothing does not get it.
-const RESERVE_AHEAD: usize = 1 << 20;
+/// `Content-Length`: a larger body grows its buffer (doubling) as it arrives, so a client
+/// that declares the limit and sends nothing is not given it.
+const RESERVE_AHEAD: usize = 64 * 1024;
 
-/// Read the whole request body (at most `limit` bytes, within `timeout`), charging its
-/// bytes to `charge` as they arrive, within the global budget of `budget` bytes.
+/// Read the whole request body (at most `limit` bytes, within `timeout`) into a buffer
+/// whose every allocation is charged to `charge` before it is made, within the global
+/// budget of `budget` bytes: what is charged is the memory held, not the bytes received.
 pub async fn read_body(
     session: &mut Session,
     limit: usize,
@@ -36,8 +37,12 @@ pub async fn read_body(
     }
     // Read straight into a buffer with room for the upstream request head in front
     // (`framing`): the one copy of the body the gateway makes before forwarding it.
-    let mut buf =
-        BodyBuf::with_capacity(declared.unwrap_or(16 * 1024).min(limit).min(RESERVE_AHEAD));
+    let over_budget = || GatewayError::BodiesOverBudget { limit: budget };
+    let reserve = declared.unwrap_or(16 * 1024).min(limit).min(RESERVE_AHEAD);
+    if !charge.grow(HEAD_ROOM + reserve, budget) {
+        return Err(over_budget());
+    }
+    let mut buf = BodyBuf::with_capacity(reserve);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
@@ -64,8 +69,13 @@ pub async fn read_body(
         if buf.len() + chunk.len() > limit {
             return Err(GatewayError::PayloadTooLarge { limit });
         }
-        if !charge.grow(chunk.len(), budget) {
-            return Err(GatewayError::BodiesOverBudget { limit: budget });
+        let needed = buf.len() + chunk.len();
+        if needed > buf.body_capacity() {
+            let grown = needed.max(2 * buf.body_capacity()).min(limit);
+            if !charge.grow(grown - buf.body_capacity(), budget) {
+                return Err(over_budget());
+            }
+            buf.reserve_body(grown);
         }
         buf.extend(&chunk);
     }

@@ -47,6 +47,18 @@ impl BodyBuf {
         BodyBuf { buf, framed: None }
     }
 
+    /// Bytes allocated for the body (its room in front not counted).
+    pub fn body_capacity(&self) -> usize {
+        self.buf.capacity() - HEAD_ROOM
+    }
+
+    /// Make room for a body of `body_capacity` bytes in all (no more than that, so what
+    /// the caller charged for it is what is allocated).
+    pub fn reserve_body(&mut self, body_capacity: usize) {
+        self.buf
+            .reserve_exact((HEAD_ROOM + body_capacity).saturating_sub(self.buf.len()));
+    }
+
     /// Append body bytes.
     pub fn extend(&mut self, bytes: &[u8]) {
         debug_assert!(self.framed.is_none(), "extended after framing");
