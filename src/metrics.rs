@@ -157,7 +157,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     .expect("register rolter_admitted_requests"),
     buffered_body_bytes: register_int_gauge!(
         "rolter_buffered_body_bytes",
-        "Request-body bytes held now (being read or kept for their exchange), counted against limits.max_buffered_body_bytes"
+        "Request-body buffer bytes held now (being read, or sent and waiting for the answer to start), counted against limits.max_buffered_body_bytes"
     )
     .expect("register rolter_buffered_body_bytes"),
     upstream_latency: register_histogram_vec!(

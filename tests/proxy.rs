@@ -208,6 +208,9 @@ async fn inflight_returns_to_zero_after_a_client_disconnects_mid_stream() {
     let mut stream = resp.bytes_stream();
     stream.next().await.unwrap().unwrap();
     assert_eq!(gw.metric(series).await, Some(1.0));
+    // Once the answer has started, the request body is let go: a long stream holds none
+    // of the body budget.
+    assert_eq!(gw.metric("rolter_buffered_body_bytes").await, Some(0.0));
     drop(stream); // client goes away mid-stream
     assert!(
         eventually(Duration::from_secs(5), || async {

@@ -15,11 +15,12 @@ pub const DEFAULT_CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
 /// the body's read. vLLM runs at most 256 sequences per replica (`--max-num-seqs`
 /// default), so 1024 keeps a four-replica fleet's batches full; beyond it clients get 503.
 pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
-/// Default cap on the bytes of request bodies held at once, over all connections: bodies
-/// being read and bodies kept for their exchange. It bounds buffered-body memory however
-/// many clients send at once, and a body is charged only for the bytes it has sent, so
-/// clients that dribble bodies hold little of it (and no `max_inflight` slot). 1 GiB:
-/// 256 bodies at the 4 MiB limit, or 32k prompts of 32 KiB. Beyond it: 503.
+/// Default cap on the bytes of request-body buffers held at once, over all connections:
+/// bodies being read, or sent and waiting for the upstream's answer to start (then the
+/// buffer is freed). It bounds buffered-body memory however many clients send at once. A
+/// body is charged for its buffer, which reserves at most 64 KiB ahead of the bytes that
+/// arrived, so clients that dribble bodies hold little of it (and no `max_inflight` slot).
+/// 1 GiB: 256 bodies at the 4 MiB limit, or 32k prompts of 32 KiB. Beyond it: 503.
 pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 1 << 30;
 /// Default time an idle client connection is kept open for its next request, seconds
 /// (pingora keep-alive granularity). 60 s is what pingora itself allows a new

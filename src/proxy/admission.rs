@@ -12,7 +12,8 @@
 //! Why two limits: a slot is taken once the body is in, so clients that send their bodies
 //! slowly (a slowloris, or a slow link) cannot fill `max_inflight` and lock everyone out
 //! of proxying; the memory of bodies still arriving is bounded by the byte budget
-//! instead, charged as bytes arrive, so a dribbling client holds only what it sent.
+//! instead, charged per buffer allocation as the body grows (`body::read_body`), so a
+//! dribbling client holds little. A body is let go once the upstream's answer starts.
 //!
 //! Pingora 0.9.1 limits that are *not* configurable, and so are not config keys:
 //! a request header of at most 1 MiB (`MAX_HEADER_SIZE` = 1,048,575 bytes) and 256
@@ -52,6 +53,14 @@ impl BodyBytes<'_> {
             self.held += n;
         }
         ok
+    }
+}
+
+impl BodyBytes<'_> {
+    /// Give back everything charged so far (the body's buffer was freed).
+    pub fn release(&mut self) {
+        self.counter.fetch_sub(self.held, Ordering::AcqRel);
+        self.held = 0;
     }
 }
 

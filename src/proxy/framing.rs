@@ -49,7 +49,7 @@ impl BodyBuf {
 
     /// Bytes allocated for the body (its room in front not counted).
     pub fn body_capacity(&self) -> usize {
-        self.buf.capacity() - HEAD_ROOM
+        self.buf.capacity().saturating_sub(HEAD_ROOM)
     }
 
     /// Make room for a body of `body_capacity` bytes in all (no more than that, so what
@@ -68,12 +68,18 @@ impl BodyBuf {
     /// The body as the client sent it. Undoes a frame first.
     pub fn body(&mut self) -> &[u8] {
         self.unframe();
-        &self.buf[HEAD_ROOM..]
+        self.buf.get(HEAD_ROOM..).unwrap_or_default()
     }
 
     /// The body's length (framed or not).
     pub fn len(&self) -> usize {
-        self.buf.len() - HEAD_ROOM
+        self.buf.len().saturating_sub(HEAD_ROOM)
+    }
+
+    /// Free the buffer: the request was delivered. The body is empty afterwards.
+    pub fn release(&mut self) {
+        self.buf = Vec::new();
+        self.framed = None;
     }
 
     /// Whether the body is empty.

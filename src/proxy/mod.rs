@@ -113,7 +113,8 @@ impl Gateway {
             return Err(GatewayError::MethodNotAllowed(method.to_string()));
         }
         let limits = &table.limits;
-        // The body's bytes stay charged while the body is kept, to the end of the exchange.
+        // The body's buffer stays charged while it is kept: until the upstream's response
+        // header is in (`upstream::Outgoing`), or the request ends before that.
         let mut charged = self.admission.body_bytes();
         let mut body = body::read_body(
             session,
@@ -172,7 +173,14 @@ impl Gateway {
             now_ms: ms_at(at),
         };
         self.forward(
-            session, ctx, &table, route, &input, &mut body, model_span, at,
+            session,
+            ctx,
+            &table,
+            route,
+            &input,
+            (&mut body, &mut charged),
+            model_span,
+            at,
         )
         .await
     }
@@ -185,7 +193,7 @@ impl Gateway {
         table: &RouteTable,
         route: &Route,
         input: &RouteInput<'_>,
-        body: &mut framing::BodyBuf,
+        (body, charged): (&mut framing::BodyBuf, &mut admission::BodyBytes<'_>),
         model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
@@ -243,8 +251,6 @@ impl Gateway {
                 &target.base_path,
                 body.len() - model_span.len() + quoted_model.len(),
             );
-            let mut spill = Vec::new();
-            let request = body.frame_or_copy(&head, model_span.clone(), quoted_model, &mut spill);
             let up = Upstream {
                 peer: &target.peer,
                 idle: target
@@ -262,7 +268,14 @@ impl Gateway {
                     route.strategy.record(input, &view, &decision);
                 }
             };
-            let exchange = upstream::exchange(&self.pool, &up, session, request, started, record);
+            let out = upstream::Outgoing {
+                body: &mut *body,
+                head: &head,
+                model_span: model_span.clone(),
+                model: quoted_model,
+                charge: &mut *charged,
+            };
+            let exchange = upstream::exchange(&self.pool, &up, session, out, started, record);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {

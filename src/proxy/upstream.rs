@@ -7,7 +7,9 @@
 //! connection that turned out dead) a retry is safe; after the response started,
 //! nothing can be retried or replaced.
 
+use super::admission::BodyBytes;
 use super::error::GatewayError;
+use super::framing::BodyBuf;
 use super::pool::{IdleStack, UpstreamPool};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
@@ -62,6 +64,19 @@ pub struct ExchangeOutcome {
     pub finished: Instant,
 }
 
+/// The request to send: the client's body, framed in place behind `head` with the
+/// `model` value at `model_span` replaced (or copied when that does not fit), and the
+/// charge for its buffer. Both are let go as soon as the upstream's response header is in:
+/// nothing is retried after that, and a long stream should not hold its prompt's memory
+/// (nor the body budget) for minutes.
+pub struct Outgoing<'a, 'b> {
+    pub body: &'a mut BodyBuf,
+    pub head: &'a [u8],
+    pub model_span: std::ops::Range<usize>,
+    pub model: &'a [u8],
+    pub charge: &'a mut BodyBytes<'b>,
+}
+
 /// Everything the exchange needs about its target.
 pub struct Upstream<'a> {
     pub peer: &'a HttpPeer,
@@ -111,24 +126,34 @@ pub fn encode_head(
     out
 }
 
-/// Send `req` + `body` to the upstream and relay its response to `session`.
+/// Send the request to the upstream and relay its response to `session`.
 /// `on_response` runs once the upstream's response header is in, before it is relayed.
 pub async fn exchange(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
-    request: &[u8],
+    out: Outgoing<'_, '_>,
     started: Instant,
     on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
-    // Until the answer starts, nothing is written to the client, so only its connection
-    // tells that it left; dropping the exchange then closes the upstream connection, which
-    // is how vLLM learns to abort the generation (and the in-flight slot is freed at once).
-    let (mut http, reused) = tokio::select! {
-        biased;
-        head = send_and_read_head(pool, up, request, started) => head?,
-        gone = client_gone(session) => return Err(ExchangeError::Final(gone)),
+    let sent = {
+        let mut spill = Vec::new();
+        let request =
+            out.body
+                .frame_or_copy(out.head, out.model_span.clone(), out.model, &mut spill);
+        // Until the answer starts, nothing is written to the client, so only its
+        // connection tells that it left; dropping the exchange then closes the upstream
+        // connection, which is how vLLM learns to abort the generation (and the in-flight
+        // slot is freed at once).
+        tokio::select! {
+            biased;
+            head = send_and_read_head(pool, up, request, started) => head,
+            gone = client_gone(session) => Err(ExchangeError::Final(gone)),
+        }
     };
+    let (mut http, reused) = sent?;
+    out.body.release();
+    out.charge.release();
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
     let ttfb = started.elapsed();
     let upstream_header = http.resp_header().expect("response header was just read");
