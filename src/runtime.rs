@@ -741,6 +741,15 @@ mod tests {
         }
     }
 
+    /// `text` as `routes.toml` in a fresh temp directory for test `tag`: (dir, path).
+    fn routes_file(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("rolter-runtime-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("routes.toml");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
     #[test]
     fn a_load_that_fails_late_leaves_the_shared_state_untouched() {
         let ctx = static_ctx();
@@ -759,11 +768,7 @@ mod tests {
 
     #[test]
     fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
-        let dir =
-            std::env::temp_dir().join(format!("rolter-runtime-reload-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("routes.toml");
-        std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+        let (dir, path) = routes_file("reload", &routes(&["a", "b"], "cache_aware", None));
         let rt = Runtime::load_with(&path, static_ctx()).unwrap();
         let a = rt.registry().get_or_create(&key("a"));
         a.trie.insert(b"a known prompt");
@@ -807,12 +812,8 @@ mod tests {
     /// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
     #[test]
     fn switching_health_checks_off_makes_a_down_provider_eligible_again() {
-        let dir =
-            std::env::temp_dir().join(format!("rolter-runtime-health-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("routes.toml");
         let text = routes(&["hoff"], "round_robin", None);
-        std::fs::write(&path, &text).unwrap();
+        let (dir, path) = routes_file("health", &text);
         let rt = Runtime::load_with(&path, static_ctx()).unwrap();
         let health = rt.registry().provider_health("hoff");
         assert!(health.observe(false, 1, 1));
@@ -843,11 +844,7 @@ mod tests {
     /// histogram series (its in-flight and trie series were dropped).
     #[test]
     fn a_removed_target_loses_its_upstream_histograms() {
-        let dir =
-            std::env::temp_dir().join(format!("rolter-runtime-forget-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("routes.toml");
-        std::fs::write(&path, routes(&["fgt-a", "fgt-b"], "round_robin", None)).unwrap();
+        let (dir, path) = routes_file("forget", &routes(&["fgt-a", "fgt-b"], "round_robin", None));
         let rt = Runtime::load_with(&path, static_ctx()).unwrap();
         let b = rt.registry().get_or_create(&key("fgt-b"));
         b.observe_upstream(Duration::from_millis(5), Duration::from_millis(9));
@@ -871,12 +868,8 @@ mod tests {
     /// the provider's index kept the cap it was created with.
     #[test]
     fn a_reload_applies_a_new_kv_events_max_blocks_to_the_kept_index() {
-        let dir =
-            std::env::temp_dir().join(format!("rolter-runtime-maxblocks-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("routes.toml");
         let text = routes(&["mb-a"], "round_robin", None);
-        std::fs::write(&path, &text).unwrap();
+        let (dir, path) = routes_file("maxblocks", &text);
         let rt = Runtime::load_with(&path, static_ctx()).unwrap();
         let index = rt.registry().kv_states()[0].1.index.clone();
         assert_eq!(

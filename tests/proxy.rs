@@ -229,9 +229,30 @@ async fn inflight_returns_to_zero_after_a_client_disconnects_mid_stream() {
     );
 }
 
+/// A raw client connection that has sent a chat request's head (declaring all of `body`)
+/// and the first `sent` bytes of `body`.
+async fn raw_client(gw: &Gateway, body: &str, sent: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut client = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client
+        .write_all(
+            [head.as_bytes(), &body.as_bytes()[..sent]]
+                .concat()
+                .as_slice(),
+        )
+        .await
+        .unwrap();
+    client
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_before_the_answer_frees_its_slot_and_the_replica_at_once() {
-    use tokio::io::AsyncWriteExt;
     // A long generation (non-streaming, or a stream still in prefill): nothing is written
     // to the client for a long while, so only watching its connection tells it has gone.
     let stub = Stub::start("a").await.unwrap();
@@ -242,19 +263,7 @@ async fn a_client_that_leaves_before_the_answer_frees_its_slot_and_the_replica_a
     let gw = Gateway::start(&routes_toml(&[stub.url()], "least_load", "")).await;
     let series = "rolter_inflight_requests{target=\"p0/upstream-model-0\"}";
     let body = chat_body("alias", "a long generation", false);
-    let mut client = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
-        .await
-        .unwrap();
-    client
-        .write_all(
-            format!(
-                "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
+    let client = raw_client(&gw, &body, body.len()).await;
     assert!(
         eventually(Duration::from_secs(5), || async { stub.active() == 1 }).await,
         "the request never reached the replica"
@@ -283,24 +292,10 @@ async fn a_client_that_leaves_before_the_answer_frees_its_slot_and_the_replica_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_in_the_middle_of_its_body_is_counted_as_gone() {
-    use tokio::io::AsyncWriteExt;
     let stub = Stub::start("a").await.unwrap();
     let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
     let body = chat_body("alias", "cut short", false);
-    let mut client = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
-        .await
-        .unwrap();
-    client
-        .write_all(
-            format!(
-                "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n{}",
-                body.len(),
-                &body[..body.len() / 2]
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
+    let client = raw_client(&gw, &body, body.len() / 2).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(client);
     let gone = "rolter_request_errors_total{kind=\"client_disconnect\"}";
