@@ -42,8 +42,47 @@ pub enum Outcome {
 pub enum Admission {
     /// An ordinary request (the circuit was closed).
     Normal,
-    /// The open circuit's single half-open probe.
-    Probe,
+    /// The open circuit's single half-open probe, stamped with the number of the probe it
+    /// is: a probe from an earlier open period (a long stream that outlived a close and a
+    /// re-open) resolves nothing when it ends.
+    Probe(u64),
+}
+
+/// An admission that is reported exactly once: by [`Ticket::report`], or, if it is
+/// dropped unreported (a panic unwinding the request, a cancelled request), as
+/// [`Outcome::Abandoned`], so a half-open circuit's single probe slot cannot be lost.
+#[derive(Debug)]
+pub struct Ticket<'a> {
+    breaker: &'a Breaker,
+    admission: Option<Admission>,
+}
+
+impl Ticket<'_> {
+    /// What was granted.
+    pub fn admission(&self) -> Admission {
+        self.admission.expect("reported tickets are consumed")
+    }
+
+    /// [`Breaker::report`] this ticket's admission.
+    pub fn report(
+        mut self,
+        outcome: Outcome,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> Option<Transition> {
+        let admission = self.admission.take().expect("reported once");
+        self.breaker.report(admission, outcome, now_ms, cfg)
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if let Some(admission) = self.admission.take() {
+            // Abandoned reads neither the time nor the config.
+            self.breaker
+                .report(admission, Outcome::Abandoned, 0, &BreakerConfig::default());
+        }
+    }
 }
 
 /// A state change worth counting.
@@ -83,6 +122,8 @@ pub struct Breaker {
     /// Mirror of `Counters::failures != 0` so the success path needs no lock.
     dirty: AtomicU32,
     counters: Mutex<Counters>,
+    /// Probes admitted so far; the live probe holds the latest number.
+    probes: AtomicU64,
 }
 
 impl Breaker {
@@ -124,9 +165,20 @@ impl Breaker {
                     self.state.store(OPEN, Ordering::Release);
                     return None;
                 }
-                claimed.then_some(Admission::Probe)
+                // Numbered after the claim: an earlier probe's ticket stops counting from
+                // here (one ending in the few instructions between the claim and this
+                // increment would still count).
+                claimed.then(|| Admission::Probe(self.probes.fetch_add(1, Ordering::AcqRel) + 1))
             }
         }
+    }
+
+    /// [`Breaker::admit`] as a [`Ticket`], which reports itself abandoned if dropped.
+    pub fn ticket(&self, now_ms: u64) -> Option<Ticket<'_>> {
+        self.admit(now_ms).map(|admission| Ticket {
+            breaker: self,
+            admission: Some(admission),
+        })
     }
 
     /// Record how a request admitted as `admission` ended; returns the transition it
@@ -139,7 +191,8 @@ impl Breaker {
         now_ms: u64,
         cfg: &BreakerConfig,
     ) -> Option<Transition> {
-        let probe = admission == Admission::Probe;
+        let probe =
+            matches!(admission, Admission::Probe(n) if n == self.probes.load(Ordering::Acquire));
         match outcome {
             Outcome::Success => {
                 if self.dirty.load(Ordering::Acquire) == 0
@@ -268,15 +321,15 @@ mod tests {
         }
         assert_eq!(b.state(), CircuitState::Open);
         assert!(b.eligible(1_000));
-        assert_eq!(
-            b.admit(1_000),
-            Some(Admission::Probe),
+        let probe = b.admit(1_000);
+        assert!(
+            matches!(probe, Some(Admission::Probe(_))),
             "first caller gets the probe"
         );
         assert_eq!(b.admit(1_000), None, "only one probe at a time");
         assert!(!b.eligible(1_000));
         assert_eq!(b.state(), CircuitState::HalfOpen);
-        b.report(Admission::Probe, Outcome::Success, 1_010, &c);
+        b.report(probe.unwrap(), Outcome::Success, 1_010, &c);
         assert_eq!(b.state(), CircuitState::Closed);
         assert!(b.eligible(1_010) && b.admit(1_010) == Some(Admission::Normal));
     }
@@ -314,12 +367,12 @@ mod tests {
         for _ in 0..6 {
             b.report(Admission::Normal, Outcome::Failure, 0, &c);
         }
-        assert_eq!(b.admit(1_000), Some(Admission::Probe));
-        b.report(Admission::Probe, Outcome::Failure, 1_000, &c);
+        let probe = b.admit(1_000).expect("probe");
+        b.report(probe, Outcome::Failure, 1_000, &c);
         assert_eq!(b.state(), CircuitState::Open);
         assert!(!b.eligible(1_999) && b.eligible(2_000));
-        assert_eq!(b.admit(2_000), Some(Admission::Probe));
-        b.report(Admission::Probe, Outcome::Abandoned, 2_001, &c);
+        let probe = b.admit(2_000).expect("probe");
+        b.report(probe, Outcome::Abandoned, 2_001, &c);
         assert_eq!(b.state(), CircuitState::Open);
         assert!(
             b.admit(2_001).is_some(),
@@ -338,16 +391,66 @@ mod tests {
         for _ in 0..6 {
             b.report(Admission::Normal, Outcome::Failure, 0, &c);
         }
-        assert_eq!(b.admit(1_000), Some(Admission::Probe));
+        let probe = b.admit(1_000).expect("probe");
+        assert!(matches!(probe, Admission::Probe(_)));
         assert_eq!(b.report(old, Outcome::Abandoned, 1_001, &c), None);
         assert_eq!(b.state(), CircuitState::HalfOpen);
         assert_eq!(b.admit(1_001), None, "a second probe while the first runs");
         assert_eq!(b.report(old, Outcome::Failure, 1_002, &c), None);
         assert_eq!(b.state(), CircuitState::HalfOpen);
         assert_eq!(
-            b.report(Admission::Probe, Outcome::Failure, 1_003, &c),
+            b.report(probe, Outcome::Failure, 1_003, &c),
             Some(Transition::CircuitOpened)
         );
         assert!(!b.eligible(2_002) && b.eligible(2_003));
+    }
+
+    /// Regression: a probe from an earlier open period (a long stream), ending after an
+    /// older request's success closed the circuit and new failures re-opened it, resolved
+    /// the new probe's half-open circuit: abandoned, it let a second probe run beside it.
+    #[test]
+    fn a_probe_from_an_earlier_open_period_resolves_nothing() {
+        let (b, c) = (Breaker::default(), cfg());
+        let open = |b: &Breaker| {
+            for _ in 0..6 {
+                b.report(Admission::Normal, Outcome::Failure, 0, &c);
+            }
+        };
+        let older = b.admit(0).expect("closed");
+        open(&b);
+        let first = b.admit(1_000).expect("first probe");
+        // The older request succeeds: closed. New failures open it again; a new probe.
+        b.report(older, Outcome::Success, 1_001, &c);
+        open(&b);
+        let second = b.admit(1_000).expect("second probe");
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert_eq!(b.report(first, Outcome::Abandoned, 1_002, &c), None);
+        assert_eq!(b.admit(1_002), None, "a second probe beside the live one");
+        assert_eq!(b.report(first, Outcome::Failure, 1_003, &c), None);
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert_eq!(
+            b.report(second, Outcome::Failure, 1_004, &c),
+            Some(Transition::CircuitOpened)
+        );
+    }
+
+    /// A probe whose request never reports (a panic unwinding it) frees its slot.
+    #[test]
+    fn a_dropped_probe_ticket_frees_the_half_open_slot() {
+        let (b, c) = (Breaker::default(), cfg());
+        for _ in 0..6 {
+            b.report(Admission::Normal, Outcome::Failure, 0, &c);
+        }
+        let ticket = b.ticket(1_000).expect("probe");
+        assert!(matches!(ticket.admission(), Admission::Probe(_)));
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        drop(ticket);
+        assert_eq!(b.state(), CircuitState::Open);
+        let ticket = b.ticket(1_000).expect("the slot is free again");
+        assert_eq!(
+            ticket.report(Outcome::Success, 1_001, &c),
+            Some(Transition::CircuitClosed)
+        );
+        assert_eq!(b.state(), CircuitState::Closed);
     }
 }

@@ -67,10 +67,11 @@ impl ProviderHealth {
     /// any more, so a down verdict would otherwise hold forever. A probe still running
     /// when it was switched off cannot undo that ([`observe`](Self::observe) ignores it).
     pub fn set_enabled(&self, enabled: bool) {
-        self.enabled.store(enabled, Ordering::Release);
+        // SeqCst: ordered against `observe`'s flip (see there).
+        self.enabled.store(enabled, Ordering::SeqCst);
         if !enabled {
             self.streak.store(0, Ordering::Release);
-            self.healthy.store(true, Ordering::Release);
+            self.healthy.store(true, Ordering::SeqCst);
         }
     }
 
@@ -97,7 +98,15 @@ impl ProviderHealth {
         };
         if self.streak.fetch_add(1, Ordering::AcqRel) + 1 >= threshold {
             self.streak.store(0, Ordering::Release);
-            self.healthy.store(ok, Ordering::Release);
+            // Checks may have been switched off since the check above, and `set_enabled`'s
+            // "healthy" may already be stored: re-read `enabled` after this store
+            // (SeqCst on both sides: either `set_enabled`'s stores come after this one, or
+            // this re-read sees them off and restores "healthy").
+            self.healthy.store(ok, Ordering::SeqCst);
+            if !self.enabled.load(Ordering::SeqCst) {
+                self.healthy.store(true, Ordering::SeqCst);
+                return false;
+            }
             return true;
         }
         false

@@ -229,7 +229,7 @@ impl Gateway {
                 break;
             };
             let target = &route.targets[decision.target];
-            let Some(admission) = target.state.breaker.admit(now) else {
+            let Some(ticket) = target.state.breaker.ticket(now) else {
                 // Another request took this open circuit's single half-open probe.
                 excluded.push(decision.target);
                 continue;
@@ -297,12 +297,7 @@ impl Gateway {
                 Ok(o) => o.finished,
                 Err(_) => Instant::now(),
             };
-            if let Some(t) =
-                target
-                    .state
-                    .breaker
-                    .report(admission, outcome, ms_at(now_instant), &table.breaker)
-            {
+            if let Some(t) = ticket.report(outcome, ms_at(now_instant), &table.breaker) {
                 log::warn!("target {}: {}", target.state.label(), t.as_str());
                 METRICS
                     .breaker_events
