@@ -130,8 +130,7 @@ impl RouteMetrics {
 }
 
 /// The process-wide metrics.
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
-    Metrics {
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
     requests: register_int_counter_vec!(
         "rolter_requests_total",
         "Requests answered, by route alias, target and HTTP status",
@@ -157,7 +156,10 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     .expect("register rolter_admitted_requests"),
     buffered_body_bytes: register_int_gauge!(
         "rolter_buffered_body_bytes",
-        "Request-body buffer bytes held now (being read, or sent and waiting for the answer to start), counted against limits.max_buffered_body_bytes"
+        concat!(
+            "Request-body buffer bytes held now (being read, or sent and waiting for the ",
+            "answer to start), counted against limits.max_buffered_body_bytes"
+        )
     )
     .expect("register rolter_buffered_body_bytes"),
     upstream_latency: register_histogram_vec!(
@@ -272,7 +274,6 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["provider", "result"]
     )
     .expect("register rolter_lmcache_polls_total"),
-}
 });
 
 /// Mirror a provider's KV-event stream state into the metrics (called at scrape time;
