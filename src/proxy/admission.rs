@@ -54,9 +54,7 @@ impl BodyBytes<'_> {
         }
         ok
     }
-}
 
-impl BodyBytes<'_> {
     /// Give back everything charged so far (the body's buffer was freed).
     pub fn release(&mut self) {
         self.counter.fetch_sub(self.held, Ordering::AcqRel);
@@ -66,7 +64,7 @@ impl BodyBytes<'_> {
 
 impl Drop for BodyBytes<'_> {
     fn drop(&mut self) {
-        self.counter.fetch_sub(self.held, Ordering::AcqRel);
+        self.release();
     }
 }
 

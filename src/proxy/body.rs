@@ -66,10 +66,10 @@ pub async fn read_body(
             Ok(Ok(None)) => break,
             Ok(Ok(Some(chunk))) => chunk,
         };
-        if buf.len() + chunk.len() > limit {
+        let needed = buf.len() + chunk.len();
+        if needed > limit {
             return Err(GatewayError::PayloadTooLarge { limit });
         }
-        let needed = buf.len() + chunk.len();
         if needed > buf.body_capacity() {
             let grown = needed.max(2 * buf.body_capacity()).min(limit);
             if !charge.grow(grown - buf.body_capacity(), budget) {

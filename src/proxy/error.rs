@@ -34,6 +34,9 @@ pub enum GatewayError {
 }
 
 impl GatewayError {
+    /// [`GatewayError::kind`] of [`GatewayError::ClientGone`].
+    pub const CLIENT_GONE: &'static str = "client_disconnect";
+
     /// HTTP status for the client.
     pub fn status(&self) -> u16 {
         match self {
@@ -65,7 +68,7 @@ impl GatewayError {
             GatewayError::UpstreamConnect { .. } => "upstream_connect",
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
-            GatewayError::ClientGone(_) => "client_disconnect",
+            GatewayError::ClientGone(_) => Self::CLIENT_GONE,
         }
     }
 

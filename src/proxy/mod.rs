@@ -178,7 +178,8 @@ impl Gateway {
             &table,
             route,
             &input,
-            (&mut body, &mut charged),
+            &mut body,
+            &mut charged,
             model_span,
             at,
         )
@@ -193,7 +194,8 @@ impl Gateway {
         table: &RouteTable,
         route: &Route,
         input: &RouteInput<'_>,
-        (body, charged): (&mut framing::BodyBuf, &mut admission::BodyBytes<'_>),
+        body: &mut framing::BodyBuf,
+        charged: &mut admission::BodyBytes<'_>,
         model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
@@ -486,7 +488,7 @@ impl ProxyHttp for Gateway {
         ctx: &RequestCtx,
         _e: &pingora::Error,
     ) -> bool {
-        ctx.error == Some("client_disconnect")
+        ctx.error == Some(GatewayError::CLIENT_GONE)
     }
 
     async fn upstream_peer(

@@ -141,17 +141,9 @@ pub async fn exchange(
         let request =
             out.body
                 .frame_or_copy(out.head, out.model_span.clone(), out.model, &mut spill);
-        // Until the answer starts, nothing is written to the client, so only its
-        // connection tells that it left; dropping the exchange then closes the upstream
-        // connection, which is how vLLM learns to abort the generation (and the in-flight
-        // slot is freed at once).
-        tokio::select! {
-            biased;
-            head = send_and_read_head(pool, up, request, started) => head,
-            gone = client_gone(session) => Err(ExchangeError::Final(gone)),
-        }
+        unless_client_gone(session, send_and_read_head(pool, up, request, started)).await
     };
-    let (mut http, reused) = sent?;
+    let (mut http, reused) = sent.map_err(ExchangeError::Final)??;
     out.body.release();
     out.charge.release();
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
@@ -169,14 +161,9 @@ pub async fn exchange(
 
     // Stream the body through as it arrives: SSE chunks are never held back.
     while !no_body && !http.is_body_done() {
-        // A stream can pause for long (a tool call being generated): watch the client
-        // meanwhile, as before the header.
-        let read = tokio::select! {
-            biased;
-            read = http.read_body_bytes() => read,
-            gone = client_gone(session) => return Err(ExchangeError::Final(gone)),
-        };
-        let chunk = match read {
+        // A stream can pause for long (a tool call being generated).
+        let read = unless_client_gone(session, http.read_body_bytes());
+        let chunk = match read.await.map_err(ExchangeError::Final)? {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
@@ -204,6 +191,22 @@ pub async fn exchange(
         reused,
         finished,
     })
+}
+
+/// `work`, unless the client leaves first. Until the answer starts nothing is written to
+/// the client, and a stream can pause for long, so only its connection tells that it
+/// left; `work` (an upstream read) is then dropped, which closes the upstream connection:
+/// that is how vLLM learns to abort the generation (and the in-flight slot is freed at
+/// once).
+async fn unless_client_gone<T>(
+    session: &mut Session,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T, GatewayError> {
+    tokio::select! {
+        biased;
+        done = work => Ok(done),
+        gone = client_gone(session) => Err(gone),
+    }
 }
 
 /// Resolves when the client has closed (or reset) its connection; pends while it is
