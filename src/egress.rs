@@ -21,8 +21,9 @@
 //! address they map to. An unspecified address is checked as the loopback address it
 //! reaches on Linux (a connect to `0.0.0.0` lands on `127.0.0.1`, to `::` on `::1`), so
 //! a rule for `127.0.0.0/8` or `::1` covers it; it is not refused outright because
-//! `http://0.0.0.0:8000` is what vLLM prints and operators copy for a local replica. Unless `deny_defaults = false`, the built-in [`DEFAULT_DENY`]
-//! list is part of the deny list; an allow entry cannot override it (deny wins).
+//! `http://0.0.0.0:8000` is what vLLM prints and operators copy for a local replica.
+//! Unless `deny_defaults = false`, the built-in [`DEFAULT_DENY`] list is part of the deny
+//! list; an allow entry cannot override it (deny wins).
 //!
 //! Before resolution (config validation) only [`EgressPolicy::check_host`] can run: it
 //! rejects a literal address outright, a name on a deny rule, and — when the allow list

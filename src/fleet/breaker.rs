@@ -281,6 +281,14 @@ mod tests {
         }
     }
 
+    /// Open `b`'s circuit at time 0 under [`cfg`]: 2 failures x 3 cooldowns.
+    fn open_at_0(b: &Breaker, c: &BreakerConfig) {
+        for _ in 0..6 {
+            b.report(Admission::Normal, Outcome::Failure, 0, c);
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+    }
+
     #[test]
     fn failures_below_threshold_keep_it_eligible_and_success_resets() {
         let b = Breaker::default();
@@ -316,9 +324,7 @@ mod tests {
     #[test]
     fn half_open_admits_one_probe_and_closes_on_success() {
         let (b, c) = (Breaker::default(), cfg());
-        for _ in 0..6 {
-            b.report(Admission::Normal, Outcome::Failure, 0, &c);
-        }
+        open_at_0(&b, &c);
         assert_eq!(b.state(), CircuitState::Open);
         assert!(b.eligible(1_000));
         let probe = b.admit(1_000);
@@ -364,9 +370,7 @@ mod tests {
     #[test]
     fn failed_probe_reopens_and_abandoned_probe_frees_the_slot() {
         let (b, c) = (Breaker::default(), cfg());
-        for _ in 0..6 {
-            b.report(Admission::Normal, Outcome::Failure, 0, &c);
-        }
+        open_at_0(&b, &c);
         let probe = b.admit(1_000).expect("probe");
         b.report(probe, Outcome::Failure, 1_000, &c);
         assert_eq!(b.state(), CircuitState::Open);
@@ -388,9 +392,7 @@ mod tests {
     fn only_the_probe_resolves_a_half_open_circuit() {
         let (b, c) = (Breaker::default(), cfg());
         let old = b.admit(0).expect("closed");
-        for _ in 0..6 {
-            b.report(Admission::Normal, Outcome::Failure, 0, &c);
-        }
+        open_at_0(&b, &c);
         let probe = b.admit(1_000).expect("probe");
         assert!(matches!(probe, Admission::Probe(_)));
         assert_eq!(b.report(old, Outcome::Abandoned, 1_001, &c), None);
@@ -411,17 +413,12 @@ mod tests {
     #[test]
     fn a_probe_from_an_earlier_open_period_resolves_nothing() {
         let (b, c) = (Breaker::default(), cfg());
-        let open = |b: &Breaker| {
-            for _ in 0..6 {
-                b.report(Admission::Normal, Outcome::Failure, 0, &c);
-            }
-        };
         let older = b.admit(0).expect("closed");
-        open(&b);
+        open_at_0(&b, &c);
         let first = b.admit(1_000).expect("first probe");
         // The older request succeeds: closed. New failures open it again; a new probe.
         b.report(older, Outcome::Success, 1_001, &c);
-        open(&b);
+        open_at_0(&b, &c);
         let second = b.admit(1_000).expect("second probe");
         assert_eq!(b.state(), CircuitState::HalfOpen);
         assert_eq!(b.report(first, Outcome::Abandoned, 1_002, &c), None);
@@ -438,9 +435,7 @@ mod tests {
     #[test]
     fn a_dropped_probe_ticket_frees_the_half_open_slot() {
         let (b, c) = (Breaker::default(), cfg());
-        for _ in 0..6 {
-            b.report(Admission::Normal, Outcome::Failure, 0, &c);
-        }
+        open_at_0(&b, &c);
         let ticket = b.ticket(1_000).expect("probe");
         assert!(matches!(ticket.admission(), Admission::Probe(_)));
         assert_eq!(b.state(), CircuitState::HalfOpen);

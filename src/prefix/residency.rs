@@ -40,8 +40,8 @@
 //!
 //! Bounds: at most `max_entries` entries (resident or remembered; a reload may change
 //! the cap, evicting down to it at once); past that the oldest remembered-removed
-//! entries go first, then the least recently stored resident ones. Eviction queues are lazily invalidated and compacted, so memory
-//! stays O(max_entries).
+//! entries go first, then the least recently stored resident ones. Eviction queues are
+//! lazily invalidated and compacted, so memory stays O(max_entries).
 //!
 //! Concurrency: one `RwLock` per target (no lock spans targets). Readers hash the
 //! request outside the lock ([`PrefixChain`] is computed once per request and
