@@ -478,6 +478,32 @@ pub fn rewrite_model_into(
     out.extend_from_slice(&body[span.end..]);
 }
 
+/// Where the first two messages of encoded prompt bytes end (the index just past each
+/// unescaped RS), for placement keys; `None` where the prompt has fewer messages (a
+/// completion prompt has none). Scans only as far as the second boundary.
+pub fn first_two_message_ends(prompt: &[u8]) -> (Option<usize>, Option<usize>) {
+    let mut ends = [None, None];
+    let mut found = 0;
+    let mut i = 0;
+    while found < 2 {
+        let Some(k) = memchr::memchr2(ESC, RS, &prompt[i..]) else {
+            break;
+        };
+        let at = i + k;
+        if prompt[at] == ESC {
+            i = at + 2;
+            if i >= prompt.len() {
+                break;
+            }
+            continue;
+        }
+        ends[found] = Some(at + 1);
+        found += 1;
+        i = at + 1;
+    }
+    (ends[0], ends[1])
+}
+
 /// Parse `x-rolter-vllm-token-ids` (comma-separated u32). `None` if absent-equivalent
 /// (empty) or malformed: the caller falls back to load-based routing.
 pub fn parse_token_ids(header: &[u8]) -> Option<Vec<u32>> {

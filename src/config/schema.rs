@@ -292,6 +292,17 @@ pub struct RouteConfig {
     /// Minimum prefix score to pin a request to its best-matching target (cache_aware).
     #[serde(default = "default_cache_threshold")]
     pub cache_threshold: f64,
+    /// Prefill tokens one more request in flight is worth (cache_aware,
+    /// precise_cache_aware; see `routing::placement`).
+    #[serde(default = "default_load_cost_tokens")]
+    pub load_cost_tokens: f64,
+    /// Requests in flight beyond the least-loaded target before a best target counts as
+    /// truly overloaded (twice that for a conversation's own target).
+    #[serde(default = "default_balance_abs")]
+    pub balance_abs: u64,
+    /// ... and more than this multiple of the least-loaded target's load.
+    #[serde(default = "default_balance_rel")]
+    pub balance_rel: f64,
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
@@ -343,6 +354,18 @@ fn default_session_cap() -> usize {
 
 fn default_cache_threshold() -> f64 {
     crate::routing::cache_aware::DEFAULT_CACHE_THRESHOLD
+}
+
+fn default_load_cost_tokens() -> f64 {
+    crate::routing::placement::DEFAULT_LOAD_COST_TOKENS
+}
+
+fn default_balance_abs() -> u64 {
+    crate::routing::placement::DEFAULT_BALANCE_ABS
+}
+
+fn default_balance_rel() -> f64 {
+    crate::routing::placement::DEFAULT_BALANCE_REL
 }
 
 fn default_prompt_bytes_per_token() -> f64 {

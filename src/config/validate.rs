@@ -5,6 +5,13 @@ use super::{Config, LmcacheConfig};
 use crate::egress::{self, EgressPolicy};
 use std::collections::HashSet;
 
+/// Largest `load_cost_tokens`: a million tokens per queued request already means "never
+/// move for load"; bounded so the cost arithmetic stays far from overflow and infinity.
+const MAX_LOAD_COST_TOKENS: f64 = 1e6;
+/// Largest `balance_abs`: beyond any realistic in-flight count (`limits.max_inflight`
+/// defaults far below it), i.e. "no guard".
+const MAX_BALANCE_ABS: u64 = 1_000_000;
+
 /// Every semantic problem in `config`, in file order.
 pub(super) fn problems(config: &Config) -> Vec<String> {
     let mut out = Vec::new();
@@ -80,6 +87,21 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         if !(0.0..=1.0).contains(&r.cache_threshold) {
             out.push(format!(
                 "routes[{i}].cache_threshold: must be between 0 and 1"
+            ));
+        }
+        if !(r.load_cost_tokens >= 0.0 && r.load_cost_tokens <= MAX_LOAD_COST_TOKENS) {
+            out.push(format!(
+                "routes[{i}].load_cost_tokens: must be between 0 and {MAX_LOAD_COST_TOKENS}"
+            ));
+        }
+        if r.balance_abs > MAX_BALANCE_ABS {
+            out.push(format!(
+                "routes[{i}].balance_abs: must be at most {MAX_BALANCE_ABS}"
+            ));
+        }
+        if !(r.balance_rel >= 1.0 && r.balance_rel <= 100.0) {
+            out.push(format!(
+                "routes[{i}].balance_rel: must be between 1 and 100"
             ));
         }
         if r.trie_max_nodes < 2 || r.trie_max_nodes > crate::prefix::trie::MAX_NODES_LIMIT {

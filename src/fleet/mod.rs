@@ -12,7 +12,7 @@ pub mod probe;
 
 use crate::kv_events::sequence::StreamState;
 use crate::metrics::METRICS;
-use crate::prefix::{PrefixTrie, ResidencyIndex};
+use crate::prefix::{PendingBlocks, PrefixTrie, ResidencyIndex};
 use crate::routing::SessionTable;
 use breaker::Breaker;
 use dashmap::DashMap;
@@ -242,6 +242,8 @@ pub struct KvState {
     pub index: Arc<ResidencyIndex>,
     /// Sequence / staleness / counters of its stream.
     pub stream: Arc<StreamState>,
+    /// Blocks routed there whose events have not arrived yet (precise routing).
+    pub pending: PendingBlocks,
 }
 
 impl std::fmt::Debug for KvState {
@@ -316,6 +318,7 @@ impl Registry {
                 Arc::new(KvState {
                     index: Arc::new(ResidencyIndex::new(max_blocks)),
                     stream: Arc::new(StreamState::new()),
+                    pending: PendingBlocks::default(),
                 })
             })
             .clone();

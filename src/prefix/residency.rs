@@ -184,6 +184,11 @@ impl PrefixChain {
     pub fn is_empty(&self) -> bool {
         self.hashes.is_empty()
     }
+
+    /// The own hash of each full block, in order.
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
 }
 
 /// How much of a request's prefix a target holds.

@@ -219,6 +219,7 @@ impl Gateway {
                         index: &kv.index,
                         trusted: kv.stream.is_trusted(),
                         stream: Some(&kv.stream),
+                        pending: Some(&kv.pending),
                     }),
                     lmcache: t.lmcache.as_ref().and_then(|s| s.view(now_instant)),
                 })
@@ -244,6 +245,10 @@ impl Gateway {
                 .metrics
                 .decision(decision.reason as usize, decision.reason.as_str());
             let _slot = target.state.start_request();
+            // Learn at decision time, as the replica will once it starts the prefill: a
+            // burst sharing a new prefix then follows the first request instead of
+            // scattering before its answer comes back.
+            route.strategy.record(input, &view, &decision);
             // TTFB and latency count from here, not from before the routing decision.
             let started = Instant::now();
             let quoted_model = target.upstream_model_json.as_bytes();
@@ -265,11 +270,6 @@ impl Gateway {
             if let Some(score) = decision.score {
                 route.metrics.prefix_score(score);
             }
-            let record = |status: u16| {
-                if (200..300).contains(&status) {
-                    route.strategy.record(input, &view, &decision);
-                }
-            };
             let out = upstream::Outgoing {
                 body: &mut *body,
                 head: &head,
@@ -277,7 +277,7 @@ impl Gateway {
                 model: quoted_model,
                 charge: &mut *charged,
             };
-            let exchange = upstream::exchange(&self.pool, &up, session, out, started, record);
+            let exchange = upstream::exchange(&self.pool, &up, session, out, started);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {

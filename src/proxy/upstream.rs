@@ -127,14 +127,12 @@ pub fn encode_head(
 }
 
 /// Send the request to the upstream and relay its response to `session`.
-/// `on_response` runs once the upstream's response header is in, before it is relayed.
 pub async fn exchange(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     out: Outgoing<'_, '_>,
     started: Instant,
-    on_response: impl FnOnce(u16),
 ) -> Result<ExchangeOutcome, ExchangeError> {
     let sent = {
         let mut spill = Vec::new();
@@ -150,7 +148,6 @@ pub async fn exchange(
     let ttfb = started.elapsed();
     let upstream_header = http.resp_header().expect("response header was just read");
     let status = upstream_header.status.as_u16();
-    on_response(status);
     let header = downstream_response(upstream_header)
         .map_err(|e| ExchangeError::Final(upstream_error(up.label, &e)))?;
     let no_body = http.is_body_done();

@@ -1,5 +1,5 @@
 //! `lmcache_aware`: prefer targets whose LMCache controller reports free cache capacity,
-//! balanced by in-flight load, behind the same overload guard as `cache_aware`.
+//! balanced by in-flight load, behind an overload guard.
 //!
 //! Pure: the controllers' last answers arrive as [`Candidate::lmcache`] (`None` when the
 //! controller is *neutral*: not configured, its last poll failed or was denied, or its
@@ -18,14 +18,24 @@
 //!    herding every request onto the emptiest cache between two polls. Ties: fewer in
 //!    flight, then random.
 //! 4. Best score 0 (no free capacity anywhere) → least-loaded ([`Reason::Fallback`]).
-//! 5. **Overload guard**: if the winner has more than [`OVERLOAD_ABS`](super::cache_aware::OVERLOAD_ABS) requests in
+//! 5. **Overload guard**: if the winner has more than [`OVERLOAD_ABS`] requests in
 //!    flight beyond the least-loaded eligible target *and* more than
-//!    [`OVERLOAD_RATIO`](super::cache_aware::OVERLOAD_RATIO) × that target's load, route to the least-loaded target
-//!    instead ([`Reason::Overloaded`]).
+//!    [`OVERLOAD_RATIO`] × that target's load, route to the least-loaded target
+//!    instead ([`Reason::Overloaded`]). Tighter than the prefix strategies' guard: free
+//!    capacity is a soft preference, not a cached prefix that would be lost.
 //! 6. Otherwise the winner ([`Reason::CacheCapacity`]).
 
-use super::cache_aware::overloaded;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
+
+/// Overload guard, absolute part: in flight beyond the least-loaded target.
+pub const OVERLOAD_ABS: u64 = 2;
+/// Overload guard, relative part: multiple of the least-loaded target's load.
+pub const OVERLOAD_RATIO: f64 = 1.5;
+
+/// Whether `inflight` counts as overloaded next to the least-loaded eligible target.
+pub fn overloaded(inflight: u64, min_inflight: u64) -> bool {
+    inflight > min_inflight + OVERLOAD_ABS && inflight as f64 > OVERLOAD_RATIO * min_inflight as f64
+}
 
 /// A controller's fresh answer, as routing sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]

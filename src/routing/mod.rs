@@ -10,6 +10,7 @@ mod baseline;
 pub mod cache_aware;
 pub mod lmcache;
 pub mod pipeline;
+pub mod placement;
 pub mod precise;
 pub mod session;
 
@@ -191,7 +192,9 @@ pub trait Strategy: Send + Sync {
         false
     }
 
-    /// Learn from a request that `decision.target` accepted (default: nothing to learn).
+    /// Learn from a request routed to `decision.target`; called once the decision is made,
+    /// before the request is sent (the replica starts computing the prefix as soon as it
+    /// admits the request, and the next request must already see that). Default: nothing.
     fn record(&self, _input: &RouteInput, _fleet: &FleetView, _decision: &Decision) {}
 }
 
@@ -201,7 +204,10 @@ pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strate
     match route.strategy {
         StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
         StrategyKind::LeastLoad => Box::new(LeastLoad),
-        StrategyKind::CacheAware => Box::new(CacheAware::new(route.cache_threshold)),
+        StrategyKind::CacheAware => Box::new(CacheAware::new(
+            placement_rule(route),
+            route.prompt_bytes_per_token,
+        )),
         StrategyKind::Pipeline => {
             let w = &route.pipeline;
             let weights = PipelineWeights {
@@ -209,10 +215,20 @@ pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strate
                 load: w.load,
                 prefix: w.prefix,
             };
-            Box::new(Pipeline::new(weights, sessions))
+            Box::new(Pipeline::new(weights, sessions, placement_rule(route)))
         }
         StrategyKind::LmcacheAware => Box::new(LmcacheAware),
-        StrategyKind::PreciseCacheAware => Box::new(PreciseCacheAware::new(route.cache_threshold)),
+        StrategyKind::PreciseCacheAware => Box::new(PreciseCacheAware::new(placement_rule(route))),
+    }
+}
+
+/// The placement rule a route's keys describe.
+pub fn placement_rule(route: &RouteConfig) -> placement::PlacementRule {
+    placement::PlacementRule {
+        threshold: route.cache_threshold,
+        load_cost_tokens: route.load_cost_tokens,
+        balance_abs: route.balance_abs,
+        balance_rel: route.balance_rel,
     }
 }
 
@@ -251,7 +267,11 @@ mod tests {
                     load: 0.1,
                     prefix: 1.0,
                 };
-                Box::new(Pipeline::new(w, Arc::new(SessionTable::new(10, 100))))
+                Box::new(Pipeline::new(
+                    w,
+                    Arc::new(SessionTable::new(10, 100)),
+                    placement::PlacementRule::default(),
+                ))
             }),
             ("precise_cache_aware", || {
                 Box::new(PreciseCacheAware::default())
@@ -285,7 +305,11 @@ mod tests {
             };
             let (with, without) = (decide(&prompt), decide(&[]));
             assert!(with.is_some(), "{name}: no decision");
-            if make().uses_prompt() {
+            if name == "precise_cache_aware" {
+                // Reads the prompt only for placement keys, and only with token ids,
+                // which this input lacks: nothing to show here.
+                assert!(make().uses_prompt());
+            } else if make().uses_prompt() {
                 assert_ne!(
                     with, without,
                     "{name} reads the prompt; this fleet should show it"

@@ -3,26 +3,29 @@
 //! 1. **Filter**: only eligible targets (healthy, not cooling down, circuit not open)
 //!    that this request has not already tried.
 //! 2. **Affinity**: a request with `x-session-id` goes to the target that last served
-//!    that session (within the TTL) if it passed the filter and is not overloaded
-//!    (the cache_aware overload rule) — reason `affinity`.
+//!    that session (within the TTL) if it passed the filter and is not truly
+//!    overloaded (the placement rule's guard for a conversation's own target: more than
+//!    2 × `balance_abs` beyond the least loaded and more than `balance_rel` × its load)
+//!    — reason `affinity`.
 //! 3. **Score** each remaining target:
 //!    `w_weight · key + w_load · load + w_prefix · prefix`, where
 //!    - `prefix` = the cache_aware score (longest cached prefix / prompt length),
 //!    - `load` = 1 − inflight / (max inflight among the filtered targets), 1 when all are idle,
-//!    - `key` = u^(1/weight) for u uniform in (0, 1) — the Efraimidis–Spirakis weighted
-//!      sampling key, in [0, 1): when the other terms tie (cold caches, equal load) the
-//!      argmax picks a target with probability weight / Σ weights, so `weight = 2`
-//!      really means twice the traffic, while a deterministic weight term would send
-//!      *all* cold traffic to the heaviest target.
-//! 4. **Argmax** (exact ties broken at random) — reason `scored`.
+//!    - `key` = u^(1/weight) with u in (0, 1) drawn from a hash of the conversation (its
+//!      session id, else its first two messages) and the target's label — the
+//!      Efraimidis–Spirakis weighted sampling key made deterministic (weighted
+//!      rendezvous hashing): over many conversations a target wins cold ties with
+//!      probability weight / Σ weights, so `weight = 2` really means twice the traffic,
+//!      while one conversation's choice is the same on every gateway.
+//! 4. **Argmax** (exact ties broken by label order) — reason `scored`.
 //!
-//! After forwarding, the prompt goes into the winner's trie and the session is pinned
-//! to the winner.
+//! When the request is routed, the prompt goes into the winner's trie and the session is
+//! pinned to the winner.
 
-use super::cache_aware::{overloaded, prefix_scores};
+use super::cache_aware::prefix_scores;
+use super::placement::{rendezvous, PlacementKeys, PlacementRule};
 use super::session::SessionTable;
-use super::{pick_random, Decision, FleetView, Reason, RouteInput, Strategy};
-use rand::Rng;
+use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 use std::sync::Arc;
 
 /// Term weights of the pipeline score.
@@ -54,21 +57,41 @@ impl Default for PipelineWeights {
 pub struct Pipeline {
     weights: PipelineWeights,
     sessions: Arc<SessionTable>,
+    guard: PlacementRule,
 }
 
 impl Pipeline {
-    /// A pipeline with these term weights and this (reload-surviving) session table.
-    pub fn new(weights: PipelineWeights, sessions: Arc<SessionTable>) -> Self {
-        Pipeline { weights, sessions }
+    /// A pipeline with these term weights, this (reload-surviving) session table and the
+    /// overload guard of `guard`.
+    pub fn new(
+        weights: PipelineWeights,
+        sessions: Arc<SessionTable>,
+        guard: PlacementRule,
+    ) -> Self {
+        Pipeline {
+            weights,
+            sessions,
+            guard,
+        }
     }
 
     fn affinity(&self, input: &RouteInput, fleet: &FleetView, min: u64) -> Option<usize> {
         let pinned = self.sessions.get(input.session_id?, input.now_ms)?;
+        let margin = self.guard.balance_abs.saturating_mul(2);
         fleet
             .eligible()
             .find(|&i| fleet.candidates[i].label == &*pinned)
-            .filter(|&i| !overloaded(fleet.candidates[i].inflight, min))
+            .filter(|&i| {
+                !self
+                    .guard
+                    .overloaded(fleet.candidates[i].inflight, min, margin)
+            })
     }
+}
+
+/// A uniform draw in (0, 1) from a 64-bit hash.
+fn unit(h: u64) -> f64 {
+    ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
 }
 
 impl Strategy for Pipeline {
@@ -91,7 +114,10 @@ impl Strategy for Pipeline {
             .map(|i| fleet.candidates[i].inflight)
             .max()
             .unwrap_or(0);
-        let mut rng = rand::thread_rng();
+        let conversation = PlacementKeys::from_prompt(input.prompt)
+            .0
+            .with_session(input.session_id)
+            .conversation;
         let w = self.weights;
         let scored: Vec<(usize, f64, f64)> = prefix_scores(input.prompt, fleet)
             .map(|(i, prefix)| {
@@ -101,7 +127,7 @@ impl Strategy for Pipeline {
                 } else {
                     1.0 - c.inflight as f64 / max_load as f64
                 };
-                let u: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+                let u = unit(rendezvous(conversation, c.label));
                 let key = u.powf(1.0 / f64::from(c.weight.max(1)));
                 (
                     i,
@@ -111,7 +137,11 @@ impl Strategy for Pipeline {
             })
             .collect();
         let best = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-        let target = pick_random(scored.iter().filter(|s| s.1 == best).map(|s| s.0))?;
+        let target = scored
+            .iter()
+            .filter(|s| s.1 == best)
+            .max_by_key(|s| fleet.candidates[s.0].label)?
+            .0;
         let prefix = scored.iter().find(|s| s.0 == target).map(|s| s.2);
         Some(Decision {
             target,
@@ -174,6 +204,7 @@ mod tests {
         Pipeline::new(
             PipelineWeights::default(),
             Arc::new(SessionTable::new(10, 1000)),
+            PlacementRule::default(),
         )
     }
 
@@ -285,8 +316,15 @@ mod tests {
         let d2 = p.select(&input(b"x", Some("s2"), 2), &view).unwrap();
         assert_eq!((d2.target, d2.reason), (d.target, Reason::Affinity));
 
-        // An overloaded pinned target loses the session too.
-        let busy = fleet(&t, &[0, 0, 9], &[1, 1, 1], &[true; 3]);
+        // A truly overloaded pinned target (more than 2 × balance_abs beyond the least
+        // loaded) loses the session too; 12 beyond is not yet.
+        let p12 = fleet(&t, &[0, 0, 12], &[1, 1, 1], &[true; 3]);
+        p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
+        let d = p
+            .select(&input(b"x", Some("s3"), 1), &FleetView::new(&p12))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (2, Reason::Affinity));
+        let busy = fleet(&t, &[0, 0, 13], &[1, 1, 1], &[true; 3]);
         p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
             .select(&input(b"x", Some("s3"), 1), &FleetView::new(&busy))
@@ -294,25 +332,48 @@ mod tests {
         assert_ne!(d.target, 2);
     }
 
+    /// Exact ties (no static weight term) are broken by label, not at random: every
+    /// gateway makes the same choice.
     #[test]
-    fn exact_ties_are_broken_at_random() {
+    fn exact_ties_are_broken_the_same_way_every_time() {
         let t = tries(2);
-        // Zero static weight: both targets score exactly the same.
         let p = Pipeline::new(
             PipelineWeights {
                 static_weight: 0.0,
                 ..Default::default()
             },
             Arc::new(SessionTable::new(10, 10)),
+            PlacementRule::default(),
         );
         let c = fleet(&t, &[0, 0], &[1, 1], &[true, true]);
-        let mut seen = [0; 2];
-        for _ in 0..200 {
-            seen[p
-                .select(&input(b"q", None, 0), &FleetView::new(&c))
-                .unwrap()
-                .target] += 1;
+        for i in 0..50 {
+            let prompt = format!("q {i}");
+            let d = p
+                .select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c))
+                .unwrap();
+            assert_eq!(d.target, 1, "the higher label wins an exact tie");
         }
-        assert!(seen[0] > 20 && seen[1] > 20, "{seen:?}");
+    }
+
+    /// The weight key is a hash of the conversation and the target: one conversation
+    /// always draws the same keys (the same choice on every gateway), a session id
+    /// replaces the prompt as the conversation.
+    #[test]
+    fn a_conversation_draws_the_same_weight_keys_everywhere() {
+        let t = tries(4);
+        let c = fleet(&t, &[0, 0, 0, 0], &[1, 1, 1, 1], &[true; 4]);
+        let (p1, p2) = (pipeline(), pipeline());
+        let mut targets = std::collections::HashSet::new();
+        for i in 0..40 {
+            let prompt = format!("Csystem\x1fS\x1euser\x1fquestion {i}\x1e");
+            let a = p1.select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c));
+            let b = p2.select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c));
+            assert_eq!(a.unwrap().target, b.unwrap().target);
+            targets.insert(a.unwrap().target);
+            let s1 = p1.select(&input(b"one", Some(&prompt), 0), &FleetView::new(&c));
+            let s2 = p2.select(&input(b"two", Some(&prompt), 0), &FleetView::new(&c));
+            assert_eq!(s1.unwrap().target, s2.unwrap().target, "same session id");
+        }
+        assert!(targets.len() >= 3, "conversations spread: {targets:?}");
     }
 }

@@ -1,17 +1,25 @@
-//! `precise_cache_aware`: score each target by the fraction of the request's leading
-//! token blocks that its vLLM replica *reports* resident (the residency index fed by
-//! its KV-event stream), then apply cache_aware's threshold + overload rule.
+//! `precise_cache_aware`: score each target by the leading token blocks its vLLM replica
+//! *reports* resident (the residency index fed by its KV-event stream) plus the blocks of
+//! requests just routed there whose events have not arrived yet, then place the request
+//! with the shared rule of [`super::placement`] in exact tokens.
 //!
 //! Token ids come from `x-rolter-vllm-token-ids`. The request's blocks are chained once
 //! per block size the targets' indices learned from their events (usually one), never
-//! an assumed size. Safe fallbacks: no (or malformed) ids, or fewer tokens than one
-//! block → least-load (`fallback`); a target whose stream is untrusted (gap, stale,
-//! restart, no events yet) scores 0 — it is not excluded, it just wins nothing on cache.
+//! an assumed size. Safe fallbacks: no (or malformed) ids → least-load (`fallback`);
+//! fewer tokens than one block → nothing cached anywhere (`below_threshold`); a target
+//! whose stream is untrusted (gap, stale, restart, no events yet) holds nothing — it is
+//! not excluded, it just wins nothing on cache.
+//!
+//! The pending overlay ([`PendingBlocks`]) is what keeps a burst of requests sharing a
+//! new prefix together: the first is noted on its target when routed, and the rest see
+//! it there before the replica has computed a block. The placement keys and the
+//! conversation test come from the prompt bytes, as for `cache_aware`.
 
-use super::cache_aware::{least_loaded_then_coldest, overloaded, DEFAULT_CACHE_THRESHOLD};
-use super::{pick_random, Decision, FleetView, Reason, RouteInput, Strategy};
+use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
+use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 use crate::kv_events::sequence::StreamState;
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
+use crate::prefix::PendingBlocks;
 
 /// What precise routing sees of a target's KV-event state.
 #[derive(Clone, Copy)]
@@ -23,50 +31,68 @@ pub struct KvView<'a> {
     /// The stream's state (atomics only), told when a routed request should make the
     /// replica publish events, so silence after it can be detected as staleness.
     pub stream: Option<&'a StreamState>,
+    /// Blocks routed to the replica whose events have not arrived yet.
+    pub pending: Option<&'a PendingBlocks>,
 }
 
 /// The precise cache-aware strategy.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct PreciseCacheAware {
-    threshold: f64,
+    rule: PlacementRule,
 }
 
 impl PreciseCacheAware {
-    /// A strategy pinning at `threshold`.
-    pub fn new(threshold: f64) -> Self {
-        PreciseCacheAware { threshold }
+    /// A strategy placing by `rule`.
+    pub fn new(rule: PlacementRule) -> Self {
+        PreciseCacheAware { rule }
     }
 }
 
-impl Default for PreciseCacheAware {
-    fn default() -> Self {
-        PreciseCacheAware::new(DEFAULT_CACHE_THRESHOLD)
-    }
-}
-
-/// Each eligible target's resident-prefix score for `tokens`, as (index, score).
-pub fn residency_scores(tokens: &[u32], fleet: &FleetView) -> Vec<(usize, f64)> {
+/// The request's block chains, one per block size the trusted targets use.
+fn chains_for(tokens: &[u32], fleet: &FleetView) -> Vec<PrefixChain> {
     let mut chains: Vec<PrefixChain> = Vec::new();
+    for i in fleet.eligible() {
+        let Some(bs) = fleet.candidates[i]
+            .kv
+            .filter(|kv| kv.trusted)
+            .and_then(|kv| kv.index.block_size())
+        else {
+            continue;
+        };
+        if chains.iter().all(|c| c.block_size() != bs) {
+            chains.push(PrefixChain::new(tokens, bs, None));
+        }
+    }
+    chains
+}
+
+/// Leading blocks of `chain` resident on `kv`'s replica, and those pending after them.
+fn held_blocks(kv: &KvView, chain: &PrefixChain, now_ms: u64) -> (usize, usize) {
+    let resident = kv.index.match_chain(chain).gpu_blocks;
+    let pending = kv
+        .pending
+        .map_or(0, |p| p.run_from(chain, resident, now_ms));
+    (resident, pending)
+}
+
+/// Tokens of the request each eligible target holds (resident or pending), as (index,
+/// tokens); untrusted targets and those without a learned block size hold none.
+pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize, f64)> {
+    let chains = chains_for(tokens, fleet);
     fleet
         .eligible()
         .map(|i| {
-            let score = match fleet.candidates[i].kv {
-                Some(kv) if kv.trusted => match kv.index.block_size() {
-                    Some(bs) => {
-                        let chain = match chains.iter().position(|c| c.block_size() == bs) {
-                            Some(p) => &chains[p],
-                            None => {
-                                chains.push(PrefixChain::new(tokens, bs, None));
-                                chains.last().expect("just pushed")
-                            }
-                        };
-                        kv.index.match_chain(chain).gpu_score()
-                    }
-                    None => 0.0,
-                },
-                _ => 0.0,
-            };
-            (i, score)
+            let held = fleet.candidates[i]
+                .kv
+                .filter(|kv| kv.trusted)
+                .and_then(|kv| {
+                    let bs = kv.index.block_size()?;
+                    let chain = chains.iter().find(|c| c.block_size() == bs)?;
+                    let (resident, pending) = held_blocks(&kv, chain, now_ms);
+                    Some(((resident + pending) * bs as usize) as f64)
+                })
+                .unwrap_or(0.0);
+            (i, held)
         })
         .collect()
 }
@@ -76,62 +102,55 @@ impl Strategy for PreciseCacheAware {
         "precise_cache_aware"
     }
 
-    fn uses_prompt(&self) -> bool {
-        false
-    }
-
-    fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
-        let min = fleet.min_inflight()?;
-        let fallback = || {
-            fleet.least_loaded().map(|target| Decision {
-                target,
-                reason: Reason::Fallback,
-                score: None,
-                hint: None,
-            })
-        };
-        let Some(tokens) = input.token_ids.filter(|t| !t.is_empty()) else {
-            return fallback();
-        };
-        let scores = residency_scores(tokens, fleet);
-        let best = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-        if best <= 0.0 {
-            // No trusted target holds even the first block: spread like cache_aware
-            // does below threshold (least-loaded, then least-warmed).
-            return least_loaded_then_coldest(fleet).map(|target| Decision {
-                target,
-                reason: Reason::BelowThreshold,
-                score: Some(0.0),
-                hint: None,
-            });
-        }
-        let top = pick_random(scores.iter().filter(|s| s.1 == best).map(|s| s.0))?;
-        let (target, reason) = if best >= self.threshold {
-            if overloaded(fleet.candidates[top].inflight, min) {
-                (fleet.least_loaded()?, Reason::Overloaded)
-            } else {
-                (top, Reason::CacheHit)
-            }
-        } else {
-            (least_loaded_then_coldest(fleet)?, Reason::BelowThreshold)
-        };
-        Some(Decision {
-            target,
-            reason,
-            score: Some(best),
-            hint: None,
-        })
-    }
-
     fn uses_token_ids(&self) -> bool {
         true
     }
 
+    fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
+        let Some(tokens) = input.token_ids.filter(|t| !t.is_empty()) else {
+            return fleet.least_loaded().map(|target| Decision {
+                target,
+                reason: Reason::Fallback,
+                score: None,
+                hint: None,
+            });
+        };
+        let choices: Vec<Choice> = held_tokens(tokens, fleet, input.now_ms)
+            .into_iter()
+            .map(|(i, held)| Choice {
+                index: i,
+                inflight: fleet.candidates[i].inflight,
+                cached_tokens: held,
+                label: fleet.candidates[i].label,
+            })
+            .collect();
+        let n = tokens.len() as f64;
+        let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
+        let first_message_tokens = if input.prompt.is_empty() {
+            n
+        } else {
+            n * first_len as f64 / input.prompt.len() as f64
+        };
+        let ask = Ask {
+            tokens: n,
+            first_message_tokens,
+            keys,
+        };
+        let placed = self.rule.place(&ask, &choices)?;
+        Some(Decision {
+            target: placed.index,
+            reason: placed.reason,
+            score: Some(placed.score),
+            hint: None,
+        })
+    }
+
+    /// Called when the request is routed: its blocks beyond what the replica holds become
+    /// pending there, and since the replica must now store some, events must follow
+    /// (`StreamState::note_routed` starts the staleness clock).
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
-        let target = decision.target;
-        // A request with more full blocks than the replica holds makes it store some:
-        // events must follow, or the stream is stale (`StreamState::note_routed`).
-        let (Some(tokens), Some(c)) = (input.token_ids, fleet.candidates.get(target)) else {
+        let (Some(tokens), Some(c)) = (input.token_ids, fleet.candidates.get(decision.target))
+        else {
             return;
         };
         let Some(kv) = c.kv else { return };
@@ -139,8 +158,11 @@ impl Strategy for PreciseCacheAware {
             return;
         };
         let chain = PrefixChain::new(tokens, bs, None);
-        let m = kv.index.match_chain(&chain);
-        if m.total_blocks > m.gpu_blocks {
+        let resident = kv.index.match_chain(&chain).gpu_blocks;
+        if chain.len() > resident {
+            if let Some(pending) = kv.pending {
+                pending.note(&chain, resident, input.now_ms);
+            }
             if let Some(stream) = kv.stream {
                 stream.note_routed();
             }
@@ -193,6 +215,7 @@ mod tests {
                     index,
                     trusted: trusted[i],
                     stream: None,
+                    pending: None,
                 }),
                 lmcache: None,
             })
@@ -226,20 +249,12 @@ mod tests {
     fn untrusted_target_scores_zero_but_stays_eligible() {
         let tokens: Vec<u32> = (0..32).collect();
         let idx = [index_with(&tokens, 8), index_with(&[], 0)];
-        let c = cands(&idx, &[0, 0], &[false, true]);
-        let view = FleetView::new(&c);
-        let mut seen = [0; 2];
-        for _ in 0..100 {
-            let d = PreciseCacheAware::default()
-                .select(&input(&tokens), &view)
-                .unwrap();
-            assert_eq!(d.reason, Reason::BelowThreshold);
-            seen[d.target] += 1;
-        }
-        assert!(
-            seen[0] > 0,
-            "untrusted target must still get load-based traffic"
-        );
+        // The untrusted holder is the less loaded: it gets the request on load alone.
+        let c = cands(&idx, &[0, 2], &[false, true]);
+        let d = PreciseCacheAware::default()
+            .select(&input(&tokens), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (0, Reason::BelowThreshold));
     }
 
     #[test]

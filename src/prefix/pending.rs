@@ -1,0 +1,192 @@
+//! Blocks a replica is about to hold: the chained block hashes of requests routed to it
+//! in the last few seconds, before its KV events announce them.
+//!
+//! A replica publishes `BlockStored` only once it has computed the blocks, a prefill
+//! (plus any queueing) after the gateway routed the request. Without this overlay a
+//! burst of requests sharing a new prefix sees an empty index and scatters: every
+//! replica then computes the same prefix. Precise routing therefore counts a block as
+//! held when the residency index has it *or* it was routed here within
+//! [`PENDING_TTL_MS`], in the same chained hashes ([`PrefixChain`]).
+//!
+//! Owns only that short-lived set. Bounded in entries (oldest dropped first); entries
+//! expire by time, read lazily. One mutex per target, held for a few hash-map
+//! operations; no I/O, no clock of its own (callers pass `now_ms`).
+
+use std::collections::{HashMap, VecDeque};
+
+use parking_lot::Mutex;
+
+use super::residency::PrefixChain;
+
+/// How long a routed request's blocks count as held before its replica's events confirm
+/// them: a prefill plus queueing at a busy replica, with room to spare. Blocks the
+/// replica confirms stop needing the overlay; ones it never stores (a failed request)
+/// stop counting after this.
+pub const PENDING_TTL_MS: u64 = 3_000;
+/// Default cap on pending blocks per target (1M tokens at vLLM's 16-token blocks).
+pub const DEFAULT_MAX_PENDING: usize = 1 << 16;
+
+/// The pending-block set of one target.
+#[derive(Debug)]
+pub struct PendingBlocks {
+    inner: Mutex<Inner>,
+    max_entries: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Own block hash → expiry (ms).
+    expiry: HashMap<u64, u64>,
+    /// Insertion order with the expiry written then; stale pairs (re-noted since) are
+    /// skipped when popped.
+    order: VecDeque<(u64, u64)>,
+}
+
+impl Default for PendingBlocks {
+    fn default() -> Self {
+        PendingBlocks::new(DEFAULT_MAX_PENDING)
+    }
+}
+
+impl PendingBlocks {
+    /// An empty set holding at most `max_entries` blocks.
+    pub fn new(max_entries: usize) -> Self {
+        PendingBlocks {
+            inner: Mutex::new(Inner::default()),
+            max_entries: max_entries.max(1),
+        }
+    }
+
+    /// Note the blocks of `chain` from block `from` on as routed here at `now_ms`.
+    pub fn note(&self, chain: &PrefixChain, from: usize, now_ms: u64) {
+        let hashes = chain.hashes().get(from..).unwrap_or(&[]);
+        if hashes.is_empty() {
+            return;
+        }
+        let expires = now_ms.saturating_add(PENDING_TTL_MS);
+        let mut inner = self.inner.lock();
+        inner.drop_expired(now_ms);
+        for &h in hashes.iter().take(self.max_entries) {
+            inner.expiry.insert(h, expires);
+            inner.order.push_back((h, expires));
+        }
+        while inner.expiry.len() > self.max_entries {
+            inner.pop_oldest();
+        }
+        // Keep the queue O(entries) when the same blocks are noted again and again.
+        if inner.order.len() > 2 * self.max_entries.max(inner.expiry.len()) {
+            let Inner { expiry, order } = &mut *inner;
+            order.retain(|(h, e)| expiry.get(h) == Some(e));
+        }
+    }
+
+    /// How many blocks of `chain`, starting at block `from`, are pending in a row at
+    /// `now_ms` (the caller passes the length of the resident run as `from`).
+    pub fn run_from(&self, chain: &PrefixChain, from: usize, now_ms: u64) -> usize {
+        let hashes = chain.hashes().get(from..).unwrap_or(&[]);
+        if hashes.is_empty() {
+            return 0;
+        }
+        let inner = self.inner.lock();
+        if inner.expiry.is_empty() {
+            return 0;
+        }
+        hashes
+            .iter()
+            .take_while(|h| inner.expiry.get(h).is_some_and(|&e| e > now_ms))
+            .count()
+    }
+
+    /// Blocks currently held (expired ones not yet dropped included).
+    pub fn len(&self) -> usize {
+        self.inner.lock().expiry.len()
+    }
+
+    /// True when nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forget everything (the replica restarted or cleared its cache).
+    pub fn clear(&self) {
+        *self.inner.lock() = Inner::default();
+    }
+}
+
+impl Inner {
+    fn drop_expired(&mut self, now_ms: u64) {
+        while let Some(&(_, e)) = self.order.front() {
+            if e > now_ms {
+                break;
+            }
+            self.pop_oldest();
+        }
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some((h, e)) = self.order.pop_front() {
+            if self.expiry.get(&h) == Some(&e) {
+                self.expiry.remove(&h);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(n: u32) -> PrefixChain {
+        PrefixChain::new(&(0..n * 4).collect::<Vec<u32>>(), 4, None)
+    }
+
+    #[test]
+    fn noted_blocks_count_until_they_expire() {
+        let p = PendingBlocks::default();
+        let c = chain(5);
+        assert_eq!(p.run_from(&c, 0, 0), 0);
+        p.note(&c, 2, 1000);
+        assert_eq!(
+            p.run_from(&c, 0, 1000),
+            0,
+            "block 0 was resident, not pending"
+        );
+        assert_eq!(p.run_from(&c, 2, 1000), 3);
+        assert_eq!(p.run_from(&c, 2, 1000 + PENDING_TTL_MS - 1), 3);
+        assert_eq!(p.run_from(&c, 2, 1000 + PENDING_TTL_MS), 0, "expired");
+        // A longer request sharing the prefix runs through the noted blocks only.
+        assert_eq!(p.run_from(&chain(8), 2, 1500), 3);
+    }
+
+    #[test]
+    fn the_set_is_bounded_oldest_first() {
+        let p = PendingBlocks::new(4);
+        p.note(&chain(3), 0, 0);
+        let other = PrefixChain::new(&[9; 12], 4, None);
+        p.note(&other, 0, 1);
+        assert!(p.len() <= 4);
+        assert_eq!(p.run_from(&other, 0, 2), 3, "the newest survive");
+        assert_eq!(p.run_from(&chain(3), 0, 2), 0, "the oldest went first");
+    }
+
+    #[test]
+    fn renoting_the_same_blocks_keeps_memory_bounded() {
+        let p = PendingBlocks::new(8);
+        let c = chain(4);
+        for t in 0..10_000u64 {
+            p.note(&c, 0, t);
+        }
+        assert_eq!(p.len(), 4);
+        assert!(p.inner.lock().order.len() <= 2 * 8 + 4);
+        assert_eq!(p.run_from(&c, 0, 10_000), 4, "refreshed by the last note");
+    }
+
+    #[test]
+    fn clear_forgets() {
+        let p = PendingBlocks::default();
+        p.note(&chain(2), 0, 0);
+        p.clear();
+        assert!(p.is_empty());
+        assert_eq!(p.run_from(&chain(2), 0, 1), 0);
+    }
+}

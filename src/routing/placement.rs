@@ -1,0 +1,447 @@
+//! The placement rule `cache_aware` and `precise_cache_aware` share: weigh the prefill a
+//! target would save against the queue it would add, keep conversations where their
+//! history is, and place what is new the same way on every gateway.
+//!
+//! Owns the cost model, the overload guard and deterministic tie-breaking. It sees each
+//! eligible target only as (in flight, tokens of the prompt it holds, label): where the
+//! cached length comes from (a prefix trie, a KV residency index) is the caller's job.
+//! No I/O, no clocks, no randomness.
+//!
+//! The rule, for a prompt of `P` tokens over eligible targets `t` (load `q_t`, the fewest
+//! in flight `q_min`):
+//! 1. `cached_t` = tokens of the prompt's prefix `t` holds, counted only when it covers at
+//!    least `threshold` of the prompt or [`ALWAYS_COUNTED_TOKENS`] (a trivial shared
+//!    start, e.g. the chat template, is no reason to pin; a long shared system prompt is,
+//!    however long the conversation after it).
+//! 2. Expected cost in prefill tokens: `cost_t = (P − cached_t) + λ · (q_t − q_min)`, with
+//!    `λ = load_cost_tokens`: the prefill time one more request in flight is worth. TTFT is
+//!    queueing plus the prefill of what is not cached; λ turns one into the other.
+//! 3. The cheapest target wins. Targets within λ of the cheapest (one request's worth:
+//!    the load views of two gateways differ by about that much) count as tied: among them
+//!    the one holding the most of the prompt, then the highest rendezvous weight of the
+//!    prompt's key on the target's label (see [`PlacementKeys`]). So a new prefix group is
+//!    placed, and a new conversation is spread over the targets holding its group's
+//!    prefix, identically by every gateway that runs this rule, with no shared state.
+//! 4. Overload guard: the winner is *truly overloaded* when it has more than
+//!    `balance_abs` requests in flight beyond `q_min` AND more than `balance_rel` × `q_min`.
+//!    A conversation's own target (it holds more than [`CONTINUATION_MIN_TOKENS`] beyond
+//!    the prompt's first message, i.e. history nobody else has) gets twice the absolute
+//!    margin. An overloaded winner is replaced by the cheapest target within
+//!    `balance_abs / 2` of `q_min` (reason `overloaded`), which for a hot system prompt
+//!    usually opens a second home for its group: later new conversations then spread
+//!    over both at the cost of their first user message.
+//!
+//! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
+//! prefix that must be recomputed, which ranges from one user message (a new
+//! conversation whose group has two homes) to a whole long history; one margin cannot
+//! suit both.
+
+use super::Reason;
+
+/// Default of `load_cost_tokens`: prefill tokens one more request in flight is worth.
+/// Chosen by measurement over the loadtest workloads (multi-turn with and without cache
+/// pressure, few-shot, 16 replicas; `loadtest/run.sh`, README "Routing quality").
+pub const DEFAULT_LOAD_COST_TOKENS: f64 = 300.0;
+/// Default of `balance_abs`: requests in flight beyond the least-loaded target before a
+/// new conversation's best target counts as truly overloaded (twice that for a
+/// conversation's own target).
+pub const DEFAULT_BALANCE_ABS: u64 = 6;
+/// Default of `balance_rel`: and more than this multiple of the least-loaded target's load.
+pub const DEFAULT_BALANCE_REL: f64 = 1.3;
+/// Tokens a target must hold beyond the prompt's first message for the request to count as
+/// the continuation of a conversation that target served (one vLLM block by default).
+pub const CONTINUATION_MIN_TOKENS: f64 = 16.0;
+/// Cached tokens that count whatever fraction of the prompt they are: far beyond any chat
+/// template or one-line system prompt, so only a real shared document, tool list or
+/// history reaches it.
+pub const ALWAYS_COUNTED_TOKENS: f64 = 256.0;
+/// Longest prefix of the prompt hashed into a placement key: the first few KiB of a system
+/// prompt tell groups apart; hashing a 1 MiB one whole would cost for nothing.
+pub const MAX_KEY_BYTES: usize = 4096;
+
+/// The tunable part of the rule (per route).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlacementRule {
+    /// Minimum fraction of the prompt a target must hold for its cache to count.
+    pub threshold: f64,
+    /// λ: prefill tokens one more request in flight is worth.
+    pub load_cost_tokens: f64,
+    /// Absolute part of the overload guard (requests beyond the least loaded).
+    pub balance_abs: u64,
+    /// Relative part of the overload guard (multiple of the least loaded's load).
+    pub balance_rel: f64,
+}
+
+impl Default for PlacementRule {
+    fn default() -> Self {
+        PlacementRule {
+            threshold: super::cache_aware::DEFAULT_CACHE_THRESHOLD,
+            load_cost_tokens: DEFAULT_LOAD_COST_TOKENS,
+            balance_abs: DEFAULT_BALANCE_ABS,
+            balance_rel: DEFAULT_BALANCE_REL,
+        }
+    }
+}
+
+/// Deterministic keys of a prompt for tie-breaking (the same on every gateway).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlacementKeys {
+    /// The prompt's group: its first message (a system prompt, a few-shot template).
+    pub group: u64,
+    /// The conversation: its first two messages, or the client's session id.
+    pub conversation: u64,
+}
+
+impl PlacementKeys {
+    /// Keys of prompt bytes in `prompt`'s encoding (messages end with an unescaped RS).
+    /// Returns the keys and the length of the first message in bytes (the whole prompt
+    /// when it has no message boundary, e.g. a completion).
+    pub fn from_prompt(prompt: &[u8]) -> (PlacementKeys, usize) {
+        let (first, second) = crate::prompt::first_two_message_ends(prompt);
+        let first = first.unwrap_or(prompt.len());
+        let second = second.unwrap_or(prompt.len());
+        let keys = PlacementKeys {
+            group: fnv1a(&prompt[..first.min(MAX_KEY_BYTES)]),
+            conversation: fnv1a(&prompt[..second.min(MAX_KEY_BYTES)]),
+        };
+        (keys, first)
+    }
+
+    /// These keys with the conversation taken from a client session id.
+    pub fn with_session(self, session_id: Option<&str>) -> PlacementKeys {
+        match session_id {
+            Some(id) => PlacementKeys {
+                conversation: fnv1a(id.as_bytes()) ^ 0x5e55_1011,
+                ..self
+            },
+            None => self,
+        }
+    }
+}
+
+/// One eligible target as the rule sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Choice<'a> {
+    /// Index into the route's targets.
+    pub index: usize,
+    /// Requests in flight.
+    pub inflight: u64,
+    /// Tokens of the prompt's prefix the target holds.
+    pub cached_tokens: f64,
+    /// Stable identity (`provider/model`), the same on every gateway.
+    pub label: &'a str,
+}
+
+/// The request as the rule sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// Prompt length in tokens (> 0).
+    pub tokens: f64,
+    /// Tokens of the prompt's first message.
+    pub first_message_tokens: f64,
+    /// Tie-breaking keys.
+    pub keys: PlacementKeys,
+}
+
+/// The rule's answer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placed {
+    /// Index into the route's targets.
+    pub index: usize,
+    /// Why: `cache_hit`, `overloaded` or `below_threshold`.
+    pub reason: Reason,
+    /// Fraction of the prompt the chosen target holds (0 below the threshold).
+    pub score: f64,
+}
+
+impl PlacementRule {
+    /// Place `ask` on one of `choices` (the eligible targets); `None` if there are none.
+    pub fn place(&self, ask: &Ask, choices: &[Choice]) -> Option<Placed> {
+        let q_min = choices.iter().map(|c| c.inflight).min()?;
+        let tokens = ask.tokens.max(1.0);
+        let counted = |c: &Choice| {
+            if c.cached_tokens / tokens >= self.threshold
+                || c.cached_tokens >= ALWAYS_COUNTED_TOKENS
+            {
+                c.cached_tokens.min(tokens)
+            } else {
+                0.0
+            }
+        };
+        let lambda = self.load_cost_tokens;
+        let cost = |c: &Choice| (tokens - counted(c)) + lambda * (c.inflight - q_min) as f64;
+        let best_cached = choices.iter().map(counted).fold(0.0, f64::max);
+
+        let mut pick = self.cheapest(ask, choices.iter(), &cost, &counted)?;
+        let mut reason = if best_cached == 0.0 {
+            Reason::BelowThreshold
+        } else if counted(pick) >= best_cached {
+            Reason::CacheHit
+        } else {
+            Reason::Overloaded
+        };
+        let continuation = counted(pick) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS;
+        let margin = if continuation {
+            self.balance_abs.saturating_mul(2)
+        } else {
+            self.balance_abs
+        };
+        if self.overloaded(pick.inflight, q_min, margin) {
+            let light = q_min + self.balance_abs / 2;
+            pick = self.cheapest(
+                ask,
+                choices.iter().filter(|c| c.inflight <= light),
+                &cost,
+                &counted,
+            )?;
+            if best_cached > 0.0 {
+                reason = Reason::Overloaded;
+            }
+        }
+        Some(Placed {
+            index: pick.index,
+            reason,
+            score: counted(pick) / tokens,
+        })
+    }
+
+    /// Whether `inflight` is more than `margin` beyond `q_min` and more than
+    /// `balance_rel` × `q_min`.
+    pub fn overloaded(&self, inflight: u64, q_min: u64, margin: u64) -> bool {
+        inflight > q_min.saturating_add(margin) && inflight as f64 > self.balance_rel * q_min as f64
+    }
+
+    /// The cheapest of `choices`; within λ of it, the one holding the most of the prompt,
+    /// then the highest rendezvous weight (conversation key if it holds any of the
+    /// prompt, else the group key).
+    fn cheapest<'c, 'l: 'c>(
+        &self,
+        ask: &Ask,
+        choices: impl Iterator<Item = &'c Choice<'l>> + Clone,
+        cost: &impl Fn(&Choice) -> f64,
+        counted: &impl Fn(&Choice) -> f64,
+    ) -> Option<&'c Choice<'l>> {
+        let min_cost = choices.clone().map(cost).fold(f64::INFINITY, f64::min);
+        let band = min_cost + self.load_cost_tokens.max(0.0);
+        let near = choices.filter(|c| cost(c) <= band);
+        let most_cached = near.clone().map(counted).fold(f64::NEG_INFINITY, f64::max);
+        let key = if most_cached > 0.0 {
+            ask.keys.conversation
+        } else {
+            ask.keys.group
+        };
+        near.filter(|c| counted(c) >= most_cached)
+            .max_by_key(|c| rendezvous(key, c.label))
+    }
+}
+
+/// Rendezvous (highest-random-weight) weight of `key` on the target `label`.
+pub fn rendezvous(key: u64, label: &str) -> u64 {
+    splitmix64(key ^ fnv1a(label.as_bytes()))
+}
+
+/// FNV-1a, 64-bit: stable across processes and releases, unlike std's `DefaultHasher`,
+/// so two gateways (even of different versions) place a prompt alike.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes
+        .iter()
+        .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
+/// SplitMix64's finaliser: spreads FNV's weak low bits over the whole word.
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
+
+    fn choices(loads: &[u64], cached: &[f64]) -> Vec<Choice<'static>> {
+        loads
+            .iter()
+            .zip(cached)
+            .enumerate()
+            .map(|(i, (&inflight, &cached_tokens))| Choice {
+                index: i,
+                inflight,
+                cached_tokens,
+                label: LABELS[i],
+            })
+            .collect()
+    }
+
+    fn ask(tokens: f64, first: f64, key: u64) -> Ask {
+        Ask {
+            tokens,
+            first_message_tokens: first,
+            keys: PlacementKeys {
+                group: key,
+                conversation: key.wrapping_add(1),
+            },
+        }
+    }
+
+    #[test]
+    fn the_warm_target_wins_until_its_queue_costs_more_than_the_prefill() {
+        let rule = PlacementRule::default();
+        // A 2,000-token prompt cached on 0 only: 0 keeps it while 2,000 tokens of prefill
+        // outweigh λ × the extra queue.
+        for extra in 0..=5 {
+            let c = choices(&[extra, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+            let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
+            assert_eq!((p.index, p.reason), (0, Reason::CacheHit), "extra {extra}");
+        }
+        // 7 beyond the least loaded is past the guard (6): a new conversation moves.
+        let c = choices(&[7, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
+        assert_ne!(p.index, 0);
+        assert_eq!(p.reason, Reason::Overloaded);
+    }
+
+    #[test]
+    fn a_short_cached_prefix_is_worth_less_than_a_queue() {
+        let rule = PlacementRule::default();
+        // 400 cached tokens vs 3 more in flight (900 tokens of queue, more than the
+        // 400 saved plus the band's one request): go elsewhere.
+        let c = choices(&[3, 0], &[400.0, 0.0]);
+        let p = rule.place(&ask(500.0, 100.0, 1), &c).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
+    }
+
+    #[test]
+    fn a_conversation_keeps_its_target_longer_than_a_new_one() {
+        let rule = PlacementRule::default();
+        // Target 0 holds the system prompt (1,000) plus 4,000 tokens of this
+        // conversation's history; 8 beyond the least loaded is within 2 × 6.
+        let c = choices(&[8, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+        // The same load for a new conversation (it holds only the first message): moves,
+        // to the least-loaded target holding the system prompt.
+        let c = choices(&[8, 0, 0, 0], &[1000.0, 1000.0, 0.0, 0.0]);
+        let p = rule.place(&ask(1050.0, 1000.0, 3), &c).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
+        // Past twice the margin the conversation moves too.
+        let c = choices(&[13, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
+    }
+
+    #[test]
+    fn the_relative_guard_holds_at_high_load() {
+        let rule = PlacementRule::default();
+        // 20 vs 16: more than 6 beyond? no. 30 vs 22: 8 beyond but not > 1.3 × 22.
+        assert!(!rule.overloaded(20, 16, 6));
+        assert!(!rule.overloaded(28, 22, 6));
+        assert!(rule.overloaded(29, 22, 6));
+        assert!(rule.overloaded(7, 0, 6));
+        assert!(!rule.overloaded(6, 0, 6));
+    }
+
+    #[test]
+    fn a_trivial_shared_start_does_not_pin() {
+        let rule = PlacementRule::default();
+        // 40 of 1,000 tokens (the chat template) is below the 0.5 threshold.
+        let c = choices(&[0, 0, 0], &[40.0, 0.0, 0.0]);
+        let p = rule.place(&ask(1000.0, 500.0, 9), &c).unwrap();
+        assert_eq!(p.reason, Reason::BelowThreshold);
+        assert_eq!(p.score, 0.0);
+    }
+
+    #[test]
+    fn cold_placement_is_deterministic_by_the_group_key_and_spreads_groups() {
+        let rule = PlacementRule::default();
+        let c = choices(&[0, 0, 0, 0], &[0.0; 4]);
+        let mut homes = [0usize; 4];
+        for group in 0..400u64 {
+            let a = ask(2000.0, 1900.0, group.wrapping_mul(0x9e37_79b9));
+            let first = rule.place(&a, &c).unwrap();
+            // The same group lands on the same target every time, whatever the
+            // conversation key.
+            for conv in 0..5 {
+                let mut b = a;
+                b.keys.conversation = conv;
+                assert_eq!(rule.place(&b, &c).unwrap().index, first.index);
+            }
+            homes[first.index] += 1;
+        }
+        assert!(homes.iter().all(|&n| n > 60), "{homes:?}");
+    }
+
+    #[test]
+    fn conversations_spread_over_the_targets_holding_their_group() {
+        let rule = PlacementRule::default();
+        // 0 and 1 hold the 2,000-token system prompt, 2 and 3 do not.
+        let c = choices(&[3, 3, 0, 0], &[2000.0, 2000.0, 0.0, 0.0]);
+        let mut seen = [0usize; 4];
+        for conv in 0..200u64 {
+            let a = Ask {
+                tokens: 2060.0,
+                first_message_tokens: 2000.0,
+                keys: PlacementKeys {
+                    group: 42,
+                    conversation: conv.wrapping_mul(0x2545_f491),
+                },
+            };
+            seen[rule.place(&a, &c).unwrap().index] += 1;
+        }
+        assert_eq!(seen[2] + seen[3], 0, "{seen:?}");
+        assert!(seen[0] > 60 && seen[1] > 60, "{seen:?}");
+    }
+
+    #[test]
+    fn within_the_band_the_target_holding_more_history_wins() {
+        let rule = PlacementRule::default();
+        // 1 holds 100 more tokens (a short history) and has one more in flight: the band
+        // (λ = 300) ties them, and the history decides, whatever the key.
+        let c = choices(&[0, 1], &[2000.0, 2100.0]);
+        for key in 0..50 {
+            let p = rule.place(&ask(2150.0, 2000.0, key), &c).unwrap();
+            assert_eq!(p.index, 1, "key {key}");
+        }
+    }
+
+    #[test]
+    fn no_choices_no_placement() {
+        assert!(PlacementRule::default()
+            .place(&ask(10.0, 5.0, 1), &[])
+            .is_none());
+    }
+
+    #[test]
+    fn keys_follow_message_boundaries() {
+        let conv_a = b"Csystem\x1fS\x1euser\x1fhello\x1eassistant\x1fhi\x1e";
+        let conv_a_later = b"Csystem\x1fS\x1euser\x1fhello\x1eassistant\x1fhi\x1euser\x1fmore\x1e";
+        let conv_b = b"Csystem\x1fS\x1euser\x1fother\x1e";
+        let (a, first) = PlacementKeys::from_prompt(conv_a);
+        let (a2, _) = PlacementKeys::from_prompt(conv_a_later);
+        let (b, _) = PlacementKeys::from_prompt(conv_b);
+        assert_eq!(first, b"Csystem\x1fS\x1e".len());
+        assert_eq!(a, a2, "a conversation keeps its keys as it grows");
+        assert_eq!(a.group, b.group, "same system prompt, same group");
+        assert_ne!(a.conversation, b.conversation);
+        // An escaped RS inside a message is not a boundary.
+        let (_, first) = PlacementKeys::from_prompt(b"Csystem\x1fS\x1b\x1eS\x1euser\x1fx\x1e");
+        assert_eq!(first, b"Csystem\x1fS\x1b\x1eS\x1e".len());
+        // A session id replaces the conversation key only.
+        let s = a.with_session(Some("sess-1"));
+        assert_eq!(s.group, a.group);
+        assert_ne!(s.conversation, a.conversation);
+        assert_eq!(a.with_session(None), a);
+    }
+
+    #[test]
+    fn fnv1a_matches_the_reference_vectors() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+}
