@@ -354,6 +354,37 @@ pub fn describe_workload(w: &WorkloadSpec, requests: usize) -> String {
             "unique prompts: {} requests of {} unrelated tokens, {} output tokens, seed {}",
             requests, w.user_tokens, w.max_tokens, w.seed
         ),
+        WorkloadKind::Agentic => format!(
+            "agentic: {} agents × {} steps, each agent on one of {} tool prompts of ~{} tokens; \
+             each step a {}-token instruction fanned out into {}–{} parallel calls ({} more \
+             tokens each), the next step after all answered, {} output tokens, seed {} → {} \
+             requests",
+            w.sessions,
+            w.turns,
+            w.prefixes,
+            w.prefix_tokens,
+            w.user_tokens,
+            w.fanout_min,
+            w.fanout_max,
+            w.call_tokens,
+            w.max_tokens,
+            w.seed,
+            requests
+        ),
+        WorkloadKind::Skewed => format!(
+            "skewed multi-turn chat: {} sessions × {} turns; a session's ~{}-token system prompt \
+             is the hot one with probability {}, else one of {} others; {}-token questions, {} \
+             output tokens, seed {} → {} requests",
+            w.sessions,
+            w.turns,
+            w.prefix_tokens,
+            w.hot_share,
+            w.prefixes.saturating_sub(1),
+            w.user_tokens,
+            w.max_tokens,
+            w.seed,
+            requests
+        ),
     }
 }
 

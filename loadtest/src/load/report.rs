@@ -185,6 +185,7 @@ mod tests {
         let req = |ok: bool, e2e: u64| RequestOutcome {
             session: 0,
             turn: 0,
+            call: 0,
             ok,
             error: (!ok).then(|| "HTTP 503".to_string()),
             ttft: ok.then(|| ms(e2e / 2)),
