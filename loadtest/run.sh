@@ -10,6 +10,8 @@
 #   STRATEGIES=round_robin,cache_aware loadtest/run.sh
 #   WORKLOADS="multi-turn" loadtest/run.sh
 #   WORKLOADS="multi-turn-16 multi-turn-16-pressure" loadtest/run.sh   # the 16-replica fleet
+#   REPEATS=3 loadtest/run.sh            # 3 interleaved rounds: per-strategy medians + spread
+#   (peer gateways as rows: loadtest/peers.sh, which installs them and then runs this script)
 #
 # The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
 # about as much as 20 decode steps (2 ms/token), each replica runs at most 4 requests at once,
@@ -31,7 +33,8 @@ trap 'rm -rf "$BIN"' EXIT
 cp "$TARGET/release/rolter" "$TARGET/release/rolter-load" "$BIN/"
 
 FLEET=(--max-running 4 --prefill-us-per-token 20 --decode-us-per-token 2000)
-COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 120)
+REPEATS="${REPEATS:-1}"
+COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 120 --repeats "$REPEATS")
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)

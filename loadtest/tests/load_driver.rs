@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rolter_loadtest::load::compare::{
-    routes_toml, routes_toml_with, run_strategy, CompareArgs, DriverArgs,
+    compare, routes_toml, routes_toml_with, run_strategy, CompareArgs, DriverArgs,
 };
 use rolter_loadtest::load::report::summarize;
 use rolter_loadtest::load::runner::{run, Dispatch, Mode, RunOptions};
@@ -261,4 +261,71 @@ async fn routing_file_and_direct_compare() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("round_robin"), "{err}");
+}
+
+#[derive(clap::Parser)]
+struct CompareCli {
+    #[command(flatten)]
+    sim: SimArgs,
+    #[command(flatten)]
+    driver: DriverArgs,
+    #[command(flatten)]
+    compare: CompareArgs,
+}
+
+#[tokio::test]
+async fn repeats_run_every_strategy_each_round_and_report_medians() {
+    use clap::Parser;
+    let dir = std::env::temp_dir().join(format!("rolter-load-test-repeats-{}", std::process::id()));
+    let out = dir.join("r.md");
+    let a = CompareCli::parse_from([
+        "x",
+        "--replicas",
+        "2",
+        "--clients",
+        "4",
+        "--strategies",
+        "direct_round_robin,direct_session_hash,smg_cache_aware",
+        "--repeats",
+        "2",
+        "--peer-venv",
+        "/nonexistent/venv",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let md = compare(&small_multi_turn(), &a.sim, &a.driver, &a.compare)
+        .await
+        .unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.with_extension("json")).unwrap())
+            .unwrap();
+    assert_eq!(json["repeats"], 2);
+    let summaries = json["strategies"].as_array().unwrap();
+    let names: Vec<&str> = summaries
+        .iter()
+        .map(|s| s["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["direct_round_robin", "direct_session_hash"]);
+    for s in summaries {
+        assert_eq!(s["runs"], 2);
+        assert_eq!(s["requests"], 36);
+        assert_eq!(s["errors"], 0);
+        let (lo, mid, hi) = (
+            s["hit_rate_min"].as_f64().unwrap(),
+            s["hit_rate"].as_f64().unwrap(),
+            s["hit_rate_max"].as_f64().unwrap(),
+        );
+        assert!(lo <= mid && mid <= hi && lo > 0.0, "{s}");
+    }
+    // Session-sticky routing keeps each conversation's cache: it beats round robin.
+    assert!(summaries[1]["hit_rate"].as_f64() > summaries[0]["hit_rate"].as_f64());
+    assert_eq!(json["runs"].as_array().unwrap().len(), 4);
+    assert!(md.contains("| direct_round_robin | 2 |"), "{md}");
+    assert!(md.contains("direct_session_hash #2"), "{md}");
+    // A peer that is not installed is a "Not run" row, not a failed comparison.
+    assert!(
+        md.contains("Not run: `smg_cache_aware`") && md.contains("peers.sh"),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

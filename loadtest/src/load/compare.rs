@@ -2,16 +2,21 @@
 //!
 //! Owns the orchestration: per strategy, start a fresh in-process simulated fleet (ephemeral
 //! ports, empty caches), write a routing TOML for it, start the gateway binary
-//! (`rolter --routes FILE --listen 127.0.0.1:PORT [extra args]`), wait for its `/health`,
-//! run the workload through it, read the replicas' counters, stop both; then write the
-//! markdown table (plus a JSON copy) with the workload's theoretical upper bound.
+//! (`rolter --routes FILE --listen 127.0.0.1:PORT [extra args]`, see `gateway`), run the
+//! workload through it, read the replicas' counters, stop both; then write the markdown table
+//! (plus a JSON copy) with the workload's theoretical upper bound.
 //!
 //! Strategies `direct_round_robin` and `direct_session_hash` bypass the gateway (the driver
 //! picks the replica itself): baselines, and a way to check this harness without a gateway.
+//! `smg_<policy>` and `vllm_router_<policy>` run a peer gateway in rolter's place (see `peer`)
+//! with the fleet's worker URLs, the same workload and seed, the same counters read.
 //! `precise_cache_aware` gets `[providers.kv_events]`, `lmcache_aware` gets
 //! `[providers.lmcache]` and `cache_aware` gets each provider's `kv_cache_tokens` (the
 //! replica's cache size, which sizes its prefix trie) in the routing file; other strategies
 //! get none of these.
+//!
+//! `--repeats N` runs N rounds, each strategy once per round on a fresh fleet in a rotated
+//! order (see `repeats`), and reports per-strategy medians and the hit rate's spread.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,9 +24,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::process::{Child, Command};
 
 use crate::fleet::{spawn_fleet, FleetHandle};
+use crate::load::gateway::{self, free_port, Gateway, Launch};
+use crate::load::peer::{default_venv, parse_peer, Readiness};
+use crate::load::repeats::{round_order, summarize_runs, summary_table, StrategySummary};
 use crate::load::report::{markdown_table, summarize, StrategyReport};
 use crate::load::runner::{run, write_trace, Dispatch, Mode, RunOptions, RunOutcome};
 use crate::load::scrape::scrape_all;
@@ -159,6 +166,19 @@ pub struct CompareArgs {
     /// Upstream model name in the routing file (the replicas accept any).
     #[arg(long, default_value = "sim-model")]
     pub upstream_model: String,
+    /// Rounds: every strategy runs once per round (fresh fleet each time), in an order rotated
+    /// by one each round; the report gives per-strategy medians and the hit rate's min–max.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// The venv holding peer gateways (`smg_*`, `vllm_router_*` strategies), as
+    /// loadtest/peers.sh installs it [default: $ROLTER_PEERS_VENV, else
+    /// ~/.cache/rolter-peers/venv].
+    #[arg(long)]
+    pub peer_venv: Option<PathBuf>,
+    /// Extra argument for peer gateways (repeatable), e.g. --peer-arg=--cache-threshold
+    /// --peer-arg=0.5.
+    #[arg(long = "peer-arg", allow_hyphen_values = true)]
+    pub peer_args: Vec<String>,
 }
 
 /// The routing TOML for `strategy` over `fleet`, route alias `model`.
@@ -224,110 +244,6 @@ pub fn routes_toml_with(
         );
     }
     s
-}
-
-/// A running gateway process, killed on drop.
-struct Gateway {
-    child: Child,
-    base_url: String,
-    log: PathBuf,
-}
-
-/// Ports tried for the gateway's listener: below Linux's ephemeral range (32768–60999), so the
-/// port cannot be taken meanwhile as the local port of one of the many outgoing connections
-/// (the gateway binds it only after we release it).
-const GATEWAY_PORTS: std::ops::Range<u16> = 20_000..32_000;
-
-/// A port free on 127.0.0.1 right now, picked at random from [`GATEWAY_PORTS`].
-fn free_port() -> std::io::Result<u16> {
-    use rand::Rng;
-    let mut rng = rand::thread_rng();
-    for _ in 0..100 {
-        let port = rng.gen_range(GATEWAY_PORTS);
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
-        }
-    }
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// The last non-empty line of the gateway's log, and the log's tail printed to stderr.
-fn log_summary(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let tail = &lines[lines.len().saturating_sub(20)..];
-    if !tail.is_empty() {
-        eprintln!("   gateway log ({}):\n{}", path.display(), tail.join("\n"));
-    }
-    tail.last()
-        .map_or_else(|| "empty log".into(), |l| l.trim().to_string())
-}
-
-async fn start_gateway(
-    args: &CompareArgs,
-    strategy: &str,
-    routes: &Path,
-    workdir: &Path,
-) -> Result<Gateway, String> {
-    let port = free_port().map_err(|e| format!("picking a port: {e}"))?;
-    let listen = format!("127.0.0.1:{port}");
-    let log = workdir.join(format!("gateway-{strategy}.log"));
-    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let err = file.try_clone().map_err(|e| e.to_string())?;
-    let mut child = Command::new(&args.gateway)
-        .arg("--routes")
-        .arg(routes)
-        .arg("--listen")
-        .arg(&listen)
-        .args(&args.gateway_args)
-        .stdin(std::process::Stdio::null())
-        .stdout(file)
-        .stderr(err)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", args.gateway.display()))?;
-    let base_url = format!("http://{listen}");
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(2))
-        .build()
-        .map_err(|e| e.to_string())?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(args.ready_timeout_secs);
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!(
-                "gateway exited with {status} before becoming ready: {}",
-                log_summary(&log)
-            ));
-        }
-        if let Ok(r) = client.get(format!("{base_url}/health")).send().await {
-            if r.status().is_success() {
-                return Ok(Gateway {
-                    child,
-                    base_url,
-                    log,
-                });
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
-            let _ = child.start_kill();
-            return Err(format!(
-                "gateway not ready after {} s: {}",
-                args.ready_timeout_secs,
-                log_summary(&log)
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-impl Gateway {
-    async fn stop(mut self) {
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
-    }
 }
 
 /// Describe the workload in one sentence.
@@ -401,10 +317,104 @@ fn describe_fleet(sim: &SimArgs) -> String {
     )
 }
 
+/// Start rolter for `strategy` in front of `fleet`.
+async fn start_rolter(
+    fleet: &FleetHandle,
+    compare: &CompareArgs,
+    driver: &DriverArgs,
+    strategy: &str,
+    workdir: &Path,
+) -> Result<Gateway, String> {
+    let routes = workdir.join(format!("routes-{strategy}.toml"));
+    let toml = routes_toml_with(
+        fleet,
+        strategy,
+        &driver.request_model,
+        &compare.upstream_model,
+        &compare.route_options,
+    );
+    std::fs::write(&routes, toml).map_err(|e| format!("writing {}: {e}", routes.display()))?;
+    let port = free_port(&[]).map_err(|e| format!("picking a port: {e}"))?;
+    let mut args = vec![
+        "--routes".to_string(),
+        routes.display().to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+    ];
+    args.extend(compare.gateway_args.iter().cloned());
+    let gw = gateway::start(Launch {
+        program: &compare.gateway,
+        args,
+        port,
+        ready: Readiness::Health,
+        log: workdir.join(format!("gateway-{strategy}.log")),
+        ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
+    })
+    .await?;
+    if strategy == "precise_cache_aware"
+        && !fleet
+            .wait_for_kv_subscribers(1, Duration::from_secs(10))
+            .await
+    {
+        eprintln!(
+            "warning: {strategy}: the gateway did not subscribe to every replica's KV events \
+             within 10 s"
+        );
+    }
+    Ok(gw)
+}
+
+/// Start the peer gateway `peer` in front of `workers`.
+async fn start_peer(
+    compare: &CompareArgs,
+    strategy: &str,
+    peer: &crate::load::peer::PeerSpec,
+    workers: &[String],
+    workdir: &Path,
+) -> Result<Gateway, String> {
+    let venv = compare.peer_venv.clone().unwrap_or_else(default_venv);
+    let program = peer.program(&venv);
+    if !program.exists() {
+        return Err(format!(
+            "{} not found (install it with loadtest/peers.sh, or give --peer-venv)",
+            program.display()
+        ));
+    }
+    let port = free_port(&[]).map_err(|e| format!("picking a port: {e}"))?;
+    let aux = free_port(&[port]).map_err(|e| format!("picking a port: {e}"))?;
+    let mut args = peer.args(port, aux, workers);
+    args.extend(compare.peer_args.iter().cloned());
+    gateway::start(Launch {
+        program: &program,
+        args,
+        port,
+        ready: peer.readiness(workers.len()),
+        log: workdir.join(format!("gateway-{strategy}.log")),
+        ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
+    })
+    .await
+}
+
 /// Run one strategy on a fresh fleet.
 pub async fn run_strategy(
     strategy: &str,
-    sessions: Arc<Vec<crate::load::workload::Session>>,
+    sessions: Arc<Vec<Session>>,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    compare: &CompareArgs,
+    seed: u64,
+    workdir: &Path,
+) -> Result<StrategyReport, CompareError> {
+    run_strategy_traced(strategy, None, sessions, sim, driver, compare, seed, workdir).await
+}
+
+/// [`run_strategy`], writing the trace (if `--trace-dir`) under `trace_name` instead of the
+/// strategy's name.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_strategy_traced(
+    strategy: &str,
+    trace_name: Option<&str>,
+    sessions: Arc<Vec<Session>>,
     sim: &SimArgs,
     driver: &DriverArgs,
     compare: &CompareArgs,
@@ -420,37 +430,25 @@ pub async fn run_strategy(
         strategy: strategy.to_string(),
         reason,
     };
-    let (dispatch, gateway) = match strategy {
-        "direct_round_robin" => (Dispatch::RoundRobin(urls.clone()), None),
-        "direct_session_hash" => (Dispatch::SessionHash(urls.clone()), None),
-        _ => {
-            let routes = workdir.join(format!("routes-{strategy}.toml"));
-            let toml = routes_toml_with(
-                &fleet,
-                strategy,
-                &driver.request_model,
-                &compare.upstream_model,
-                &compare.route_options,
-            );
-            std::fs::write(&routes, toml).map_err(|source| CompareError::Write {
-                path: routes.clone(),
-                source,
-            })?;
-            let gw = match start_gateway(compare, strategy, &routes, workdir).await {
-                Ok(gw) => gw,
-                Err(e) => {
-                    fleet.shutdown().await;
-                    return Err(gw_err(e));
-                }
-            };
-            if strategy == "precise_cache_aware"
-                && !fleet
-                    .wait_for_kv_subscribers(1, Duration::from_secs(10))
-                    .await
-            {
-                eprintln!("warning: {strategy}: the gateway did not subscribe to every replica's KV events within 10 s");
+    let mut opts = driver.run_options(seed);
+    let started = match strategy {
+        "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), None)),
+        "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), None)),
+        _ => match parse_peer(strategy) {
+            Some(peer) => {
+                // Peers route on the served model name, not rolter's route alias.
+                opts.model = sim.model.clone();
+                start_peer(compare, strategy, &peer, &urls, workdir).await
             }
-            (Dispatch::Single(gw.base_url.clone()), Some(gw))
+            None => start_rolter(&fleet, compare, driver, strategy, workdir).await,
+        }
+        .map(|gw| (Dispatch::Single(gw.base_url.clone()), Some(gw))),
+    };
+    let (dispatch, gateway) = match started {
+        Ok(x) => x,
+        Err(e) => {
+            fleet.shutdown().await;
+            return Err(gw_err(e));
         }
     };
     let client = reqwest::Client::builder()
@@ -462,16 +460,16 @@ pub async fn run_strategy(
         let before = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
-        let outcome = run(sessions.clone(), dispatch, driver.run_options(seed)).await;
+        let outcome = run(sessions.clone(), dispatch, opts).await;
         let after = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
-        driver.write_trace(strategy, &outcome, &sessions)?;
+        driver.write_trace(trace_name.unwrap_or(strategy), &outcome, &sessions)?;
         Ok(summarize(strategy, &outcome, &before, &after))
     }
     .await;
     if let Some(mut gw) = gateway {
-        if let Ok(Some(status)) = gw.child.try_wait() {
+        if let Some(status) = gw.exited() {
             eprintln!("   the gateway exited during the run ({status})");
         }
         let failed = result
@@ -507,44 +505,89 @@ pub async fn compare(
         path: workdir.clone(),
         source,
     })?;
-    let mut reports = Vec::new();
-    let mut skipped = Vec::new();
-    for strategy in &args.strategies {
-        eprintln!("== {strategy}: {n_requests} requests");
-        let r = match run_strategy(
-            strategy,
-            sessions.clone(),
-            sim,
-            driver,
-            args,
-            workload.seed,
-            &workdir,
-        )
-        .await
-        {
-            Ok(r) => r,
-            // A gateway that rejects a strategy (not implemented yet) skips that row only.
-            Err(CompareError::Gateway { strategy, reason }) => {
-                eprintln!("   skipped: {reason}");
-                skipped.push((strategy, reason));
+    let rounds = args.repeats.max(1);
+    // Every run, in strategy order within each strategy.
+    let mut runs: Vec<(String, Vec<StrategyReport>)> = args
+        .strategies
+        .iter()
+        .map(|s| (s.clone(), Vec::new()))
+        .collect();
+    let mut skipped: Vec<(String, String)> = Vec::new();
+    for round in 0..rounds {
+        for strategy in round_order(&args.strategies, round) {
+            if skipped.iter().any(|(s, _)| *s == strategy) {
                 continue;
             }
-            Err(e) => return Err(e),
-        };
-        eprintln!(
-            "   hit rate {:.1}%, e2e p50 {:.0} ms, {:.1} req/s, errors {}{}",
-            r.hit_rate * 100.0,
-            r.e2e_ms.p50,
-            r.throughput,
-            r.errors,
-            r.error_samples
-                .first()
-                .map(|e| format!(" (e.g. {e})"))
-                .unwrap_or_default()
-        );
-        reports.push(r);
+            let label = if rounds > 1 {
+                format!("{strategy} (round {}/{rounds})", round + 1)
+            } else {
+                strategy.clone()
+            };
+            eprintln!("== {label}: {n_requests} requests");
+            let trace_name = format!("{strategy}.r{}", round + 1);
+            let r = match run_strategy_traced(
+                &strategy,
+                (rounds > 1).then_some(trace_name.as_str()),
+                sessions.clone(),
+                sim,
+                driver,
+                args,
+                workload.seed,
+                &workdir,
+            )
+            .await
+            {
+                Ok(r) => r,
+                // A gateway that rejects a strategy (not implemented yet, peer not installed)
+                // skips that row only.
+                Err(CompareError::Gateway { strategy, reason }) => {
+                    eprintln!("   skipped: {reason}");
+                    skipped.push((strategy, reason));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            eprintln!(
+                "   hit rate {:.1}%, TTFT p50 {:.0} ms, e2e p50 {:.0} ms, {:.1} req/s, errors {}{}",
+                r.hit_rate * 100.0,
+                r.ttft_ms.p50,
+                r.e2e_ms.p50,
+                r.throughput,
+                r.errors,
+                r.error_samples
+                    .first()
+                    .map(|e| format!(" (e.g. {e})"))
+                    .unwrap_or_default()
+            );
+            if let Some((_, v)) = runs.iter_mut().find(|(s, _)| *s == strategy) {
+                v.push(r);
+            }
+        }
     }
-    let mut md = render(workload, sim, driver, &reports, bound, n_requests);
+    runs.retain(|(_, v)| !v.is_empty());
+    let (mut md, json_rows) = if rounds == 1 {
+        let reports: Vec<StrategyReport> = runs.into_iter().flat_map(|(_, v)| v).collect();
+        let md = render(workload, sim, driver, &reports, bound, n_requests);
+        (md, serde_json::json!({ "strategies": reports }))
+    } else {
+        let summaries: Vec<StrategySummary> = runs
+            .iter()
+            .map(|(s, v)| summarize_runs(s, v))
+            .collect();
+        let all: Vec<StrategyReport> = runs
+            .iter()
+            .flat_map(|(_, v)| v.iter().enumerate())
+            .map(|(i, r)| StrategyReport {
+                strategy: format!("{} #{}", r.strategy, i + 1),
+                ..r.clone()
+            })
+            .collect();
+        let md = render_repeats(workload, sim, driver, &summaries, &all, bound, n_requests);
+        (
+            md,
+            serde_json::json!({ "repeats": rounds, "strategies": summaries, "runs": all }),
+        )
+    };
     for (strategy, reason) in &skipped {
         let _ = writeln!(md, "\nNot run: `{strategy}` ({reason}).");
     }
@@ -561,11 +604,13 @@ pub async fn compare(
         path: out.clone(),
         source,
     })?;
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "workload": describe_workload(workload, n_requests),
         "upper_bound_hit_rate": bound.rate(),
-        "strategies": reports,
     });
+    if let (Some(o), serde_json::Value::Object(rows)) = (json.as_object_mut(), json_rows) {
+        o.extend(rows);
+    }
     let json_path = out.with_extension("json");
     std::fs::write(
         &json_path,
@@ -580,13 +625,11 @@ pub async fn compare(
     Ok(md)
 }
 
-/// The report document.
-pub fn render(
+/// The report's title and bullet list (workload, fleet, load, how to regenerate).
+fn render_header(
     workload: &WorkloadSpec,
     sim: &SimArgs,
     driver: &DriverArgs,
-    reports: &[StrategyReport],
-    bound: HitCount,
     n_requests: usize,
 ) -> String {
     let mut s = format!("# Routing comparison: {}\n\n", workload.workload.name());
@@ -600,17 +643,57 @@ pub fn render(
     let args: Vec<String> = std::env::args().skip(1).collect();
     let _ = writeln!(
         s,
-        "- Regenerate: `loadtest/run.sh` (this table: `rolter-load {}`).\n",
+        "- Regenerate: `loadtest/run.sh` (peers and repeats: `loadtest/peers.sh`; this table: \
+         `rolter-load {}`).\n",
         args.join(" ")
     );
+    s
+}
+
+const TABLE_NOTES: &str = "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ \
+    `vllm:prefix_cache_queries_total` (prompt tokens) over the replicas during the run. *of \
+    bound*: that rate divided by the upper bound, the hit rate of a single replica with an \
+    unbounded cache serving the same trace. Latencies in milliseconds over successful requests; \
+    TTFT is the first content chunk of the streamed response. *requests per replica*: percent of \
+    requests each replica received; *max/mean*: busiest replica over the mean (1.00 = even). \
+    `smg_*` / `vllm_router_*` rows: that peer gateway in rolter's place (loadtest/peers.sh).\n";
+
+/// The report document.
+pub fn render(
+    workload: &WorkloadSpec,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    reports: &[StrategyReport],
+    bound: HitCount,
+    n_requests: usize,
+) -> String {
+    let mut s = render_header(workload, sim, driver, n_requests);
     s.push_str(&markdown_table(reports, Some(bound)));
-    s.push_str(
-        "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ `vllm:prefix_cache_queries_total` \
-         (prompt tokens) over the replicas during the run. *of bound*: that rate divided by the \
-         upper bound, the hit rate of a single replica with an unbounded cache serving the same \
-         trace. Latencies in milliseconds over successful requests; TTFT is the first content \
-         chunk of the streamed response. *requests per replica*: percent of requests each \
-         replica received; *max/mean*: busiest replica over the mean (1.00 = even).\n",
+    s.push_str(TABLE_NOTES);
+    s
+}
+
+/// The report document of a repeated comparison: medians, then every run.
+pub fn render_repeats(
+    workload: &WorkloadSpec,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    summaries: &[StrategySummary],
+    runs: &[StrategyReport],
+    bound: HitCount,
+    n_requests: usize,
+) -> String {
+    let mut s = render_header(workload, sim, driver, n_requests);
+    let rounds = summaries.iter().map(|r| r.runs).max().unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "Median of {rounds} interleaved runs per strategy (each round runs every strategy once \
+         on a fresh fleet, the order rotated by one each round); *hit rate min–max* is the \
+         spread over the runs, in percent.\n"
     );
+    s.push_str(&summary_table(summaries, Some(bound)));
+    s.push_str("\n### Every run\n\n");
+    s.push_str(&markdown_table(runs, Some(bound)));
+    s.push_str(TABLE_NOTES);
     s
 }

@@ -2,9 +2,13 @@
 //!
 //! `workload` says what to send, `runner` sends it, `scrape` reads the replicas' counters,
 //! `report` turns a run into numbers and markdown, `upper_bound` computes the best possible hit
-//! rate of a workload, and `compare` runs every strategy through the gateway.
+//! rate of a workload, and `compare` runs every strategy through the gateway (`gateway` starts
+//! the processes, `peer` knows the other gateways, `repeats` folds repeated runs into medians).
 
 pub mod compare;
+pub mod gateway;
+pub mod peer;
+pub mod repeats;
 pub mod report;
 pub mod runner;
 pub mod scrape;
