@@ -245,8 +245,8 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
         .json()
         .await
         .unwrap();
-    let expected = rolter_loadtest::tokenizer::request_prompt_tokens("/v1/chat/completions", &chat)
-        .unwrap();
+    let expected =
+        rolter_loadtest::tokenizer::request_prompt_tokens("/v1/chat/completions", &chat).unwrap();
     let ids: Vec<u32> = serde_json::from_value(rendered["token_ids"].clone()).unwrap();
     assert_eq!(ids, expected);
     assert_eq!(rendered["sampling_params"]["max_tokens"], 5);

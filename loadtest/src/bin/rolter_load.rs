@@ -4,15 +4,18 @@
 //!   report hit rate (from `--replica-urls` metrics), latencies, throughput and load spread.
 //! - `compare`: start a simulated fleet and the gateway once per strategy, write the table to
 //!   loadtest/reports/.
+//! - `sweep`: `compare` at each of `--rates` (open loop), goodput (requests/s within the TTFT
+//!   objective) per strategy and rate.
 //! - `upper-bound`: the workload's best possible hit rate (one replica, unbounded cache).
 
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rolter_loadtest::load::compare::{compare, describe_workload, CompareArgs, DriverArgs};
-use rolter_loadtest::load::report::{markdown_table, summarize};
+use rolter_loadtest::load::report::{goodput, markdown_table, summarize};
 use rolter_loadtest::load::runner::{run, Dispatch};
 use rolter_loadtest::load::scrape::scrape_all;
+use rolter_loadtest::load::sweep::sweep;
 use rolter_loadtest::load::upper_bound::upper_bound;
 use rolter_loadtest::load::workload::{generate, request_count, WorkloadSpec};
 use rolter_loadtest::sim_args::SimArgs;
@@ -71,6 +74,20 @@ enum Cmd {
         sim: Box<SimArgs>,
         #[command(flatten)]
         compare: CompareArgs,
+    },
+    /// Compare strategies at rising open-loop rates; report goodput.
+    Sweep {
+        #[command(flatten)]
+        workload: WorkloadSpec,
+        #[command(flatten)]
+        driver: DriverArgs,
+        #[command(flatten)]
+        sim: Box<SimArgs>,
+        #[command(flatten)]
+        compare: CompareArgs,
+        /// Open-loop rates, requests per second, comma-separated (e.g. 40,80,120).
+        #[arg(long, value_delimiter = ',', required = true)]
+        rates: Vec<f64>,
     },
     /// Print the workload's upper-bound hit rate.
     UpperBound {
@@ -138,7 +155,8 @@ async fn main() -> std::process::ExitCode {
                 eprintln!("rolter-load run: {e}");
                 return std::process::ExitCode::FAILURE;
             }
-            let report = summarize(&label, &outcome, &before, &after);
+            let mut report = summarize(&label, &outcome, &before, &after);
+            report.goodput = goodput(&outcome, driver.ttft_slo());
             println!("{}\n", describe_workload(&workload, n));
             println!("{}", markdown_table(&[report], Some(bound)));
             std::process::ExitCode::SUCCESS
@@ -155,6 +173,22 @@ async fn main() -> std::process::ExitCode {
             }
             Err(e) => {
                 eprintln!("rolter-load compare: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Cmd::Sweep {
+            workload,
+            driver,
+            sim,
+            compare: args,
+            rates,
+        } => match sweep(&workload, &sim, &driver, &args, &rates).await {
+            Ok(md) => {
+                println!("{md}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rolter-load sweep: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

@@ -15,6 +15,10 @@
 //! replica's cache size, which sizes its prefix trie) in the routing file; other strategies
 //! get none of these.
 //!
+//! `cache_aware@2` (or `--gateways 2`, which adds that row beside each rolter strategy's) runs
+//! two rolter processes with the same routing file in front of one fleet, each request sent to
+//! either at random, as behind an L4 balancer.
+//!
 //! `--repeats N` runs N rounds, each strategy once per round on a fresh fleet in a rotated
 //! order (see `repeats`), and reports per-strategy medians and the hit rate's spread.
 
@@ -29,7 +33,7 @@ use crate::fleet::{spawn_fleet, FleetHandle};
 use crate::load::gateway::{self, free_port, Gateway, Launch};
 use crate::load::peer::{default_venv, parse_peer, Readiness};
 use crate::load::repeats::{round_order, summarize_runs, summary_table, StrategySummary};
-use crate::load::report::{markdown_table, summarize, StrategyReport};
+use crate::load::report::{goodput, markdown_table, summarize, StrategyReport};
 use crate::load::runner::{run, write_trace, Dispatch, Mode, RunOptions, RunOutcome};
 use crate::load::scrape::scrape_all;
 use crate::load::upper_bound::{upper_bound, HitCount};
@@ -87,9 +91,18 @@ pub struct DriverArgs {
     /// tokens, timings) to DIR/<strategy or label>.jsonl.
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
+    /// TTFT objective of goodput (successful requests per second whose TTFT is at most this),
+    /// milliseconds.
+    #[arg(long, default_value_t = 500.0)]
+    pub slo_ttft_ms: f64,
 }
 
 impl DriverArgs {
+    /// The goodput TTFT objective.
+    pub fn ttft_slo(&self) -> Duration {
+        Duration::from_secs_f64(self.slo_ttft_ms.max(0.0) / 1e3)
+    }
+
     pub fn run_options(&self, seed: u64) -> RunOptions {
         RunOptions {
             mode: match self.rate {
@@ -124,7 +137,7 @@ impl DriverArgs {
             .map_err(|source| CompareError::Write { path, source })
     }
 
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let mode = match self.rate {
             Some(r) => format!("open loop, Poisson arrivals at {r} requests/s"),
             None => format!("closed loop, {} concurrent clients", self.clients),
@@ -166,6 +179,11 @@ pub struct CompareArgs {
     /// Upstream model name in the routing file (the replicas accept any).
     #[arg(long, default_value = "sim-model")]
     pub upstream_model: String,
+    /// Also run each rolter strategy S behind this many independent gateways (row `S@N`, beside
+    /// S's one-gateway row): the same routing file, each request sent to one of them at random
+    /// as an L4 balancer would. `S@N` in --strategies does the same for one strategy.
+    #[arg(long, default_value_t = 1)]
+    pub gateways: usize,
     /// Rounds: every strategy runs once per round (fresh fleet each time), in an order rotated
     /// by one each round; the report gives per-strategy medians and the hit rate's min–max.
     #[arg(long, default_value_t = 1)]
@@ -317,14 +335,43 @@ fn describe_fleet(sim: &SimArgs) -> String {
     )
 }
 
-/// Start rolter for `strategy` in front of `fleet`.
+/// A rolter strategy name with an optional gateway count: `cache_aware@2` is cache_aware
+/// behind two gateways; no suffix (or an unreadable one) is one.
+pub fn split_gateways(strategy: &str) -> (&str, usize) {
+    match strategy.rsplit_once('@') {
+        Some((base, n)) => match n.parse::<usize>() {
+            Ok(n) if n >= 1 => (base, n),
+            _ => (strategy, 1),
+        },
+        None => (strategy, 1),
+    }
+}
+
+/// `strategies` with, when `gateways` > 1, each rolter strategy followed by its
+/// `<strategy>@<gateways>` twin (direct, peer and already-suffixed names are left alone).
+pub fn with_gateway_twins(strategies: &[String], gateways: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(strategies.len() * 2);
+    for s in strategies {
+        out.push(s.clone());
+        let rolter =
+            !DIRECT_STRATEGIES.contains(&s.as_str()) && parse_peer(s).is_none() && !s.contains('@');
+        if gateways > 1 && rolter {
+            out.push(format!("{s}@{gateways}"));
+        }
+    }
+    out
+}
+
+/// Start `count` rolter processes for `strategy` in front of `fleet`, all with one routing file
+/// (independent gateways: nothing shared but the replicas).
 async fn start_rolter(
     fleet: &FleetHandle,
     compare: &CompareArgs,
     driver: &DriverArgs,
     strategy: &str,
+    count: usize,
     workdir: &Path,
-) -> Result<Gateway, String> {
+) -> Result<Vec<Gateway>, String> {
     let routes = workdir.join(format!("routes-{strategy}.toml"));
     let toml = routes_toml_with(
         fleet,
@@ -334,34 +381,46 @@ async fn start_rolter(
         &compare.route_options,
     );
     std::fs::write(&routes, toml).map_err(|e| format!("writing {}: {e}", routes.display()))?;
-    let port = free_port(&[]).map_err(|e| format!("picking a port: {e}"))?;
-    let mut args = vec![
-        "--routes".to_string(),
-        routes.display().to_string(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-    ];
-    args.extend(compare.gateway_args.iter().cloned());
-    let gw = gateway::start(Launch {
-        program: &compare.gateway,
-        args,
-        port,
-        ready: Readiness::Health,
-        log: workdir.join(format!("gateway-{strategy}.log")),
-        ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
-    })
-    .await?;
+    let mut gateways: Vec<Gateway> = Vec::with_capacity(count);
+    for k in 0..count {
+        let taken: Vec<u16> = gateways.iter().map(|g| g.port).collect();
+        let port = free_port(&taken).map_err(|e| format!("picking a port: {e}"))?;
+        let mut args = vec![
+            "--routes".to_string(),
+            routes.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+        ];
+        args.extend(compare.gateway_args.iter().cloned());
+        let log = if count > 1 {
+            workdir.join(format!("gateway-{strategy}-{k}.log"))
+        } else {
+            workdir.join(format!("gateway-{strategy}.log"))
+        };
+        // On an error the started ones are killed on drop.
+        gateways.push(
+            gateway::start(Launch {
+                program: &compare.gateway,
+                args,
+                port,
+                ready: Readiness::Health,
+                log,
+                ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
+            })
+            .await?,
+        );
+    }
     if strategy == "precise_cache_aware"
         && !fleet
-            .wait_for_kv_subscribers(1, Duration::from_secs(10))
+            .wait_for_kv_subscribers(count, Duration::from_secs(10))
             .await
     {
         eprintln!(
-            "warning: {strategy}: the gateway did not subscribe to every replica's KV events \
-             within 10 s"
+            "warning: {strategy}: the gateways did not all subscribe to every replica's KV \
+             events within 10 s"
         );
     }
-    Ok(gw)
+    Ok(gateways)
 }
 
 /// Start the peer gateway `peer` in front of `workers`.
@@ -405,7 +464,10 @@ pub async fn run_strategy(
     seed: u64,
     workdir: &Path,
 ) -> Result<StrategyReport, CompareError> {
-    run_strategy_traced(strategy, None, sessions, sim, driver, compare, seed, workdir).await
+    run_strategy_traced(
+        strategy, None, sessions, sim, driver, compare, seed, workdir,
+    )
+    .await
 }
 
 /// [`run_strategy`], writing the trace (if `--trace-dir`) under `trace_name` instead of the
@@ -431,20 +493,32 @@ pub async fn run_strategy_traced(
         reason,
     };
     let mut opts = driver.run_options(seed);
-    let started = match strategy {
-        "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), None)),
-        "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), None)),
-        _ => match parse_peer(strategy) {
+    let (base, count) = split_gateways(strategy);
+    let started = match base {
+        "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),
+        "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), Vec::new())),
+        _ => match parse_peer(base) {
             Some(peer) => {
                 // Peers route on the served model name, not rolter's route alias.
                 opts.model = sim.model.clone();
-                start_peer(compare, strategy, &peer, &urls, workdir).await
+                start_peer(compare, strategy, &peer, &urls, workdir)
+                    .await
+                    .map(|gw| vec![gw])
             }
-            None => start_rolter(&fleet, compare, driver, strategy, workdir).await,
+            None => start_rolter(&fleet, compare, driver, base, count, workdir).await,
         }
-        .map(|gw| (Dispatch::Single(gw.base_url.clone()), Some(gw))),
+        .map(|gws| {
+            let bases: Vec<String> = gws.iter().map(|g| g.base_url.clone()).collect();
+            let dispatch = if bases.len() == 1 {
+                Dispatch::Single(bases[0].clone())
+            } else {
+                // As an L4 balancer in front of independent gateways.
+                Dispatch::Spread(bases)
+            };
+            (dispatch, gws)
+        }),
     };
-    let (dispatch, gateway) = match started {
+    let (dispatch, gateways) = match started {
         Ok(x) => x,
         Err(e) => {
             fleet.shutdown().await;
@@ -465,20 +539,22 @@ pub async fn run_strategy_traced(
             .await
             .map_err(CompareError::Metrics)?;
         driver.write_trace(trace_name.unwrap_or(strategy), &outcome, &sessions)?;
-        Ok(summarize(strategy, &outcome, &before, &after))
+        let mut report = summarize(strategy, &outcome, &before, &after);
+        report.goodput = goodput(&outcome, driver.ttft_slo());
+        Ok(report)
     }
     .await;
-    if let Some(mut gw) = gateway {
+    let failed = result
+        .as_ref()
+        .map(|r: &StrategyReport| r.errors > 0)
+        .unwrap_or(true);
+    for (k, mut gw) in gateways.into_iter().enumerate() {
         if let Some(status) = gw.exited() {
             eprintln!("   the gateway exited during the run ({status})");
         }
-        let failed = result
-            .as_ref()
-            .map(|r: &StrategyReport| r.errors > 0)
-            .unwrap_or(true);
         if failed {
             let kept = std::env::temp_dir().join(format!(
-                "rolter-load-gateway-{strategy}-{}.log",
+                "rolter-load-gateway-{strategy}-{k}-{}.log",
                 std::process::id()
             ));
             let _ = std::fs::copy(&gw.log, &kept);
@@ -490,31 +566,33 @@ pub async fn run_strategy_traced(
     result
 }
 
-/// Run the whole comparison and write the report; returns the markdown.
-pub async fn compare(
-    workload: &WorkloadSpec,
+/// Every run of a comparison, grouped by strategy in list order, and the strategies that could
+/// not run (with why).
+pub struct Rounds {
+    pub runs: Vec<(String, Vec<StrategyReport>)>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Run `rounds` rounds of `strategies` (each round every strategy once, on a fresh fleet, in an
+/// order rotated by one per round). A strategy whose gateway cannot start is skipped from then
+/// on; any other error stops everything.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_rounds(
+    strategies: &[String],
+    rounds: usize,
+    sessions: &Arc<Vec<Session>>,
     sim: &SimArgs,
     driver: &DriverArgs,
     args: &CompareArgs,
-) -> Result<String, CompareError> {
-    let sessions = Arc::new(generate(workload));
-    let n_requests = request_count(&sessions);
-    let bound = upper_bound(&sessions, sim.block_size);
-    let workdir = std::env::temp_dir().join(format!("rolter-load-{}", std::process::id()));
-    std::fs::create_dir_all(&workdir).map_err(|source| CompareError::Write {
-        path: workdir.clone(),
-        source,
-    })?;
-    let rounds = args.repeats.max(1);
-    // Every run, in strategy order within each strategy.
-    let mut runs: Vec<(String, Vec<StrategyReport>)> = args
-        .strategies
-        .iter()
-        .map(|s| (s.clone(), Vec::new()))
-        .collect();
+    seed: u64,
+    workdir: &Path,
+) -> Result<Rounds, CompareError> {
+    let n_requests = request_count(sessions);
+    let mut runs: Vec<(String, Vec<StrategyReport>)> =
+        strategies.iter().map(|s| (s.clone(), Vec::new())).collect();
     let mut skipped: Vec<(String, String)> = Vec::new();
     for round in 0..rounds {
-        for strategy in round_order(&args.strategies, round) {
+        for strategy in round_order(strategies, round) {
             if skipped.iter().any(|(s, _)| *s == strategy) {
                 continue;
             }
@@ -532,8 +610,8 @@ pub async fn compare(
                 sim,
                 driver,
                 args,
-                workload.seed,
-                &workdir,
+                seed,
+                workdir,
             )
             .await
             {
@@ -548,11 +626,13 @@ pub async fn compare(
                 Err(e) => return Err(e),
             };
             eprintln!(
-                "   hit rate {:.1}%, TTFT p50 {:.0} ms, e2e p50 {:.0} ms, {:.1} req/s, errors {}{}",
+                "   hit rate {:.1}%, TTFT p50 {:.0} ms, e2e p50 {:.0} ms, {:.1} req/s \
+                 (goodput {:.1}), errors {}{}",
                 r.hit_rate * 100.0,
                 r.ttft_ms.p50,
                 r.e2e_ms.p50,
                 r.throughput,
+                r.goodput,
                 r.errors,
                 r.error_samples
                     .first()
@@ -565,23 +645,87 @@ pub async fn compare(
         }
     }
     runs.retain(|(_, v)| !v.is_empty());
+    Ok(Rounds { runs, skipped })
+}
+
+/// Every run of `runs` with its number appended to its strategy's name (`cache_aware #2`).
+pub fn numbered_runs(runs: &[(String, Vec<StrategyReport>)]) -> Vec<StrategyReport> {
+    runs.iter()
+        .flat_map(|(_, v)| v.iter().enumerate())
+        .map(|(i, r)| StrategyReport {
+            strategy: format!("{} #{}", r.strategy, i + 1),
+            ..r.clone()
+        })
+        .collect()
+}
+
+/// A scratch directory for routing files and gateway logs, unique to this process.
+pub fn workdir() -> Result<PathBuf, CompareError> {
+    let dir = std::env::temp_dir().join(format!("rolter-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|source| CompareError::Write {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+/// Write the markdown to `out` and the JSON beside it (`.json`).
+pub fn write_report(out: &Path, md: &str, json: &serde_json::Value) -> Result<(), CompareError> {
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| CompareError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    std::fs::write(out, md).map_err(|source| CompareError::Write {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let json_path = out.with_extension("json");
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(json).unwrap_or_default(),
+    )
+    .map_err(|source| CompareError::Write {
+        path: json_path.clone(),
+        source,
+    })?;
+    eprintln!("wrote {} and {}", out.display(), json_path.display());
+    Ok(())
+}
+
+/// Run the whole comparison and write the report; returns the markdown.
+pub async fn compare(
+    workload: &WorkloadSpec,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    args: &CompareArgs,
+) -> Result<String, CompareError> {
+    let sessions = Arc::new(generate(workload));
+    let n_requests = request_count(&sessions);
+    let bound = upper_bound(&sessions, sim.block_size);
+    let workdir = workdir()?;
+    let rounds = args.repeats.max(1);
+    let strategies = with_gateway_twins(&args.strategies, args.gateways);
+    let Rounds { runs, skipped } = run_rounds(
+        &strategies,
+        rounds,
+        &sessions,
+        sim,
+        driver,
+        args,
+        workload.seed,
+        &workdir,
+    )
+    .await?;
     let (mut md, json_rows) = if rounds == 1 {
         let reports: Vec<StrategyReport> = runs.into_iter().flat_map(|(_, v)| v).collect();
         let md = render(workload, sim, driver, &reports, bound, n_requests);
         (md, serde_json::json!({ "strategies": reports }))
     } else {
-        let summaries: Vec<StrategySummary> = runs
-            .iter()
-            .map(|(s, v)| summarize_runs(s, v))
-            .collect();
-        let all: Vec<StrategyReport> = runs
-            .iter()
-            .flat_map(|(_, v)| v.iter().enumerate())
-            .map(|(i, r)| StrategyReport {
-                strategy: format!("{} #{}", r.strategy, i + 1),
-                ..r.clone()
-            })
-            .collect();
+        let summaries: Vec<StrategySummary> =
+            runs.iter().map(|(s, v)| summarize_runs(s, v)).collect();
+        let all = numbered_runs(&runs);
         let md = render_repeats(workload, sim, driver, &summaries, &all, bound, n_requests);
         (
             md,
@@ -594,16 +738,6 @@ pub async fn compare(
     let out = args.out.clone().unwrap_or_else(|| {
         PathBuf::from(format!("loadtest/reports/{}.md", workload.workload.name()))
     });
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| CompareError::Write {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    }
-    std::fs::write(&out, &md).map_err(|source| CompareError::Write {
-        path: out.clone(),
-        source,
-    })?;
     let mut json = serde_json::json!({
         "workload": describe_workload(workload, n_requests),
         "upper_bound_hit_rate": bound.rate(),
@@ -611,22 +745,13 @@ pub async fn compare(
     if let (Some(o), serde_json::Value::Object(rows)) = (json.as_object_mut(), json_rows) {
         o.extend(rows);
     }
-    let json_path = out.with_extension("json");
-    std::fs::write(
-        &json_path,
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    )
-    .map_err(|source| CompareError::Write {
-        path: json_path.clone(),
-        source,
-    })?;
-    eprintln!("wrote {} and {}", out.display(), json_path.display());
+    write_report(&out, &md, &json)?;
     let _ = std::fs::remove_dir_all(&workdir);
     Ok(md)
 }
 
 /// The report's title and bullet list (workload, fleet, load, how to regenerate).
-fn render_header(
+pub fn render_header(
     workload: &WorkloadSpec,
     sim: &SimArgs,
     driver: &DriverArgs,
@@ -650,7 +775,7 @@ fn render_header(
     s
 }
 
-const TABLE_NOTES: &str = "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ \
+pub const TABLE_NOTES: &str = "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ \
     `vllm:prefix_cache_queries_total` (prompt tokens) over the replicas during the run. *of \
     bound*: that rate divided by the upper bound, the hit rate of a single replica with an \
     unbounded cache serving the same trace. Latencies in milliseconds over successful requests; \
@@ -696,4 +821,43 @@ pub fn render_repeats(
     s.push_str(&markdown_table(runs, Some(bound)));
     s.push_str(TABLE_NOTES);
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateway_counts_in_strategy_names() {
+        assert_eq!(split_gateways("cache_aware@2"), ("cache_aware", 2));
+        assert_eq!(split_gateways("cache_aware"), ("cache_aware", 1));
+        assert_eq!(split_gateways("cache_aware@x"), ("cache_aware@x", 1));
+        assert_eq!(split_gateways("cache_aware@0"), ("cache_aware@0", 1));
+    }
+
+    #[test]
+    fn gateways_flag_adds_a_twin_after_each_rolter_strategy() {
+        let s: Vec<String> = [
+            "cache_aware",
+            "smg_cache_aware",
+            "direct_round_robin",
+            "pipeline",
+            "precise_cache_aware@3",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(with_gateway_twins(&s, 1), s);
+        assert_eq!(
+            with_gateway_twins(&s, 2),
+            [
+                "cache_aware",
+                "cache_aware@2",
+                "smg_cache_aware",
+                "direct_round_robin",
+                "pipeline",
+                "pipeline@2",
+                "precise_cache_aware@3",
+            ]
+        );
+    }
 }

@@ -15,6 +15,7 @@ use crate::load::peer::Readiness;
 /// A running gateway process, killed on drop.
 pub struct Gateway {
     child: Child,
+    pub port: u16,
     pub base_url: String,
     pub log: PathBuf,
 }
@@ -123,6 +124,7 @@ pub async fn start(launch: Launch<'_>) -> Result<Gateway, String> {
         if is_ready(&client, &base_url, &ready).await {
             return Ok(Gateway {
                 child,
+                port,
                 base_url,
                 log,
             });

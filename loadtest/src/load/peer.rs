@@ -162,7 +162,10 @@ mod tests {
     #[test]
     fn smg_command_line() {
         let p = parse_peer("smg_cache_aware").unwrap();
-        let urls = vec!["http://127.0.0.1:1".to_string(), "http://127.0.0.1:2".into()];
+        let urls = vec![
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".into(),
+        ];
         let a = p.args(20001, 20002, &urls);
         assert_eq!(a[0], "launch");
         let at = |flag: &str| a.iter().position(|x| x == flag).map(|i| a[i + 1].as_str());
@@ -172,9 +175,6 @@ mod tests {
         assert_eq!(at("--prometheus-port"), Some("20002"));
         assert_eq!(&a[a.len() - 3..], ["--worker-urls", &urls[0], &urls[1]]);
         assert_eq!(p.readiness(2), Readiness::HealthyWorkers(2));
-        assert_eq!(
-            p.program(Path::new("/v")),
-            PathBuf::from("/v/bin/smg")
-        );
+        assert_eq!(p.program(Path::new("/v")), PathBuf::from("/v/bin/smg"));
     }
 }

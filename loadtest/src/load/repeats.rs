@@ -53,6 +53,7 @@ pub struct StrategySummary {
     pub ttft_ms: Percentiles,
     pub e2e_ms: Percentiles,
     pub throughput: f64,
+    pub goodput: f64,
     pub max_over_mean: f64,
     /// Errors over all runs.
     pub errors: usize,
@@ -81,6 +82,7 @@ pub fn summarize_runs(strategy: &str, runs: &[StrategyReport]) -> StrategySummar
         ttft_ms: pct(|r| &r.ttft_ms),
         e2e_ms: pct(|r| &r.e2e_ms),
         throughput: median_of(runs, |r| r.throughput),
+        goodput: median_of(runs, |r| r.goodput),
         max_over_mean: median_of(runs, |r| r.max_over_mean),
         errors: runs.iter().map(|r| r.errors).sum(),
         requests: runs.iter().map(|r| r.requests).sum(),
@@ -153,6 +155,7 @@ mod tests {
             },
             e2e_ms: Percentiles::default(),
             throughput: 1.0,
+            goodput: 0.5,
             shares: vec![],
             max_over_mean: mm,
             wall_s: 1.0,

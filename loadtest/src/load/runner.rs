@@ -43,7 +43,13 @@ pub enum Dispatch {
     RoundRobin(Vec<String>),
     /// Client-side session stickiness: session i always goes to replica hash(i) mod N.
     SessionHash(Vec<String>),
+    /// Each request to one of the URLs at random (an L4 balancer in front of several
+    /// gateways); the sequence of picks is fixed (a hash of the request's number).
+    Spread(Vec<String>),
 }
+
+/// Mixed into [`Dispatch::Spread`]'s hash so its picks are not those of `SessionHash`.
+const SPREAD_SALT: u64 = 0x6c34_6261_6c61_6e63;
 
 impl Dispatch {
     fn url(&self, session: usize, counter: &AtomicUsize) -> &str {
@@ -52,6 +58,10 @@ impl Dispatch {
             Dispatch::RoundRobin(us) => &us[counter.fetch_add(1, Ordering::Relaxed) % us.len()],
             Dispatch::SessionHash(us) => {
                 &us[(tokenizer::splitmix64(session as u64) % us.len() as u64) as usize]
+            }
+            Dispatch::Spread(us) => {
+                let n = counter.fetch_add(1, Ordering::Relaxed) as u64;
+                &us[(tokenizer::splitmix64(n ^ SPREAD_SALT) % us.len() as u64) as usize]
             }
         }
     }
@@ -403,6 +413,18 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spread_uses_every_url_about_evenly_and_not_in_turn() {
+        let urls: Vec<String> = (0..2).map(|i| format!("http://g{i}")).collect();
+        let d = Dispatch::Spread(urls);
+        let counter = AtomicUsize::new(0);
+        let picks: Vec<&str> = (0..1000).map(|_| d.url(0, &counter)).collect();
+        let first = picks.iter().filter(|&&u| u == "http://g0").count();
+        assert!((430..=570).contains(&first), "{first} of 1000 to g0");
+        // Random, not alternating: some consecutive requests go to the same gateway.
+        assert!(picks.windows(2).filter(|w| w[0] == w[1]).count() > 300);
+    }
 
     #[test]
     fn replica_index_from_simulator_ids() {

@@ -356,7 +356,10 @@ mod tests {
         assert!(counts.len() >= 35, "{} prompts used", counts.len());
         let second = counts.values().filter(|&&c| c < 1000).max().unwrap();
         assert!(*second < 100, "largest tail prompt: {second} sessions");
-        let none = generate(&WorkloadSpec { hot_share: 0.0, ..spec });
+        let none = generate(&WorkloadSpec {
+            hot_share: 0.0,
+            ..spec
+        });
         assert!(!none.iter().any(is_hot));
     }
 
@@ -392,7 +395,11 @@ mod tests {
         let c0 = chat_tokens(&a.call_messages(2, 0, &replies));
         let c1 = chat_tokens(&a.call_messages(2, 1, &replies));
         let shared = c0.iter().zip(&c1).take_while(|(x, y)| x == y).count();
-        assert!(shared > 300 && c0.len() - shared < 12, "{shared} of {}", c0.len());
+        assert!(
+            shared > 300 && c0.len() - shared < 12,
+            "{shared} of {}",
+            c0.len()
+        );
         // ...and the next step continues call 0's branch.
         let step2 = chat_tokens(&a.call_messages(2, 0, &replies));
         let history = [replies.clone(), vec!["r2".into()]].concat();
