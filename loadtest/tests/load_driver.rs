@@ -5,10 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rolter_loadtest::load::compare::{
-    compare, routes_toml, routes_toml_with, run_strategy, CompareArgs, DriverArgs,
-};
+use rolter_loadtest::load::compare::{compare, run_strategy, CompareArgs, DriverArgs};
 use rolter_loadtest::load::report::summarize;
+use rolter_loadtest::load::routes::{routes_toml, routes_toml_with};
 use rolter_loadtest::load::runner::{run, Dispatch, Mode, RunOptions};
 use rolter_loadtest::load::scrape::scrape_all;
 use rolter_loadtest::load::upper_bound::upper_bound;

@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use rolter_loadtest::load::compare::{compare, describe_workload, CompareArgs, DriverArgs};
+use rolter_loadtest::load::compare::{compare, CompareArgs, DriverArgs};
+use rolter_loadtest::load::document::describe_workload;
 use rolter_loadtest::load::report::{goodput, markdown_table, summarize};
 use rolter_loadtest::load::runner::{run, Dispatch};
 use rolter_loadtest::load::scrape::scrape_all;
@@ -98,6 +99,31 @@ enum Cmd {
     },
 }
 
+/// `fut`'s output, or `None` if SIGINT or SIGTERM comes first. Dropping `fut` then kills the
+/// gateway processes it started (they are spawned with kill_on_drop), so an interrupted
+/// comparison leaves no gateway behind.
+async fn until_signal<T>(fut: impl std::future::Future<Output = T>) -> Option<T> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).ok();
+    let terminated = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    let out = tokio::select! {
+        v = fut => Some(v),
+        _ = tokio::signal::ctrl_c() => None,
+        _ = terminated => None,
+    };
+    if out.is_none() {
+        eprintln!("rolter-load: interrupted; gateways stopped");
+    }
+    out
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     match Cli::parse().cmd {
@@ -166,12 +192,13 @@ async fn main() -> std::process::ExitCode {
             driver,
             sim,
             compare: args,
-        } => match compare(&workload, &sim, &driver, &args).await {
-            Ok(md) => {
+        } => match until_signal(compare(&workload, &sim, &driver, &args)).await {
+            None => std::process::ExitCode::FAILURE,
+            Some(Ok(md)) => {
                 println!("{md}");
                 std::process::ExitCode::SUCCESS
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 eprintln!("rolter-load compare: {e}");
                 std::process::ExitCode::FAILURE
             }
@@ -182,12 +209,13 @@ async fn main() -> std::process::ExitCode {
             sim,
             compare: args,
             rates,
-        } => match sweep(&workload, &sim, &driver, &args, &rates).await {
-            Ok(md) => {
+        } => match until_signal(sweep(&workload, &sim, &driver, &args, &rates)).await {
+            None => std::process::ExitCode::FAILURE,
+            Some(Ok(md)) => {
                 println!("{md}");
                 std::process::ExitCode::SUCCESS
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 eprintln!("rolter-load sweep: {e}");
                 std::process::ExitCode::FAILURE
             }

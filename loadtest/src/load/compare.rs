@@ -9,11 +9,8 @@
 //! Strategies `direct_round_robin` and `direct_session_hash` bypass the gateway (the driver
 //! picks the replica itself): baselines, and a way to check this harness without a gateway.
 //! `smg_<policy>` and `vllm_router_<policy>` run a peer gateway in rolter's place (see `peer`)
-//! with the fleet's worker URLs, the same workload and seed, the same counters read.
-//! `precise_cache_aware` gets `[providers.kv_events]`, `lmcache_aware` gets
-//! `[providers.lmcache]` and `cache_aware` gets each provider's `kv_cache_tokens` (the
-//! replica's cache size, which sizes its prefix trie) in the routing file; other strategies
-//! get none of these.
+//! with the fleet's worker URLs, the same workload and seed, the same counters read. The
+//! routing file is `routes`' and the report's wording `document`'s.
 //!
 //! `cache_aware@2` (or `--gateways 2`, which adds that row beside each rolter strategy's) runs
 //! two rolter processes with the same routing file in front of one fleet, each request sent to
@@ -30,14 +27,16 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::fleet::{spawn_fleet, FleetHandle};
+use crate::load::document::{describe_workload, render, render_repeats};
 use crate::load::gateway::{self, free_port, Gateway, Launch};
 use crate::load::peer::{default_venv, parse_peer, Readiness};
-use crate::load::repeats::{round_order, summarize_runs, summary_table, StrategySummary};
-use crate::load::report::{goodput, markdown_table, summarize, StrategyReport};
+use crate::load::repeats::{round_order, summarize_runs, StrategySummary};
+use crate::load::report::{goodput, summarize, StrategyReport};
+use crate::load::routes::routes_toml_with;
 use crate::load::runner::{run, write_trace, Dispatch, Mode, RunOptions, RunOutcome};
 use crate::load::scrape::scrape_all;
-use crate::load::upper_bound::{upper_bound, HitCount};
-use crate::load::workload::{generate, request_count, Session, WorkloadKind, WorkloadSpec};
+use crate::load::upper_bound::upper_bound;
+use crate::load::workload::{generate, request_count, Session, WorkloadSpec};
 use crate::sim_args::SimArgs;
 
 /// Strategies that bypass the gateway.
@@ -197,142 +196,6 @@ pub struct CompareArgs {
     /// --peer-arg=0.5.
     #[arg(long = "peer-arg", allow_hyphen_values = true)]
     pub peer_args: Vec<String>,
-}
-
-/// The routing TOML for `strategy` over `fleet`, route alias `model`.
-pub fn routes_toml(
-    fleet: &FleetHandle,
-    strategy: &str,
-    model: &str,
-    upstream_model: &str,
-) -> String {
-    routes_toml_with(fleet, strategy, model, upstream_model, &[])
-}
-
-/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`).
-pub fn routes_toml_with(
-    fleet: &FleetHandle,
-    strategy: &str,
-    model: &str,
-    upstream_model: &str,
-    route_options: &[String],
-) -> String {
-    let mut s = String::from("# Written by rolter-load compare.\n");
-    for r in fleet.replicas() {
-        let _ = write!(
-            s,
-            "\n[[providers]]\nname = \"sim-{}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n",
-            r.index,
-            r.base_url()
-        );
-        if strategy == "cache_aware" {
-            // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
-            let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
-        }
-        if strategy == "precise_cache_aware" {
-            if let Some(ep) = r.kv_events_endpoint() {
-                let _ = write!(
-                    s,
-                    "[providers.kv_events]\nendpoint = \"{ep}\"\ntopic = \"{}\"\n",
-                    r.kv_topic().unwrap_or("")
-                );
-                if let Some(rep) = r.kv_replay_endpoint() {
-                    let _ = writeln!(s, "replay_endpoint = \"{rep}\"");
-                }
-            }
-        }
-        if strategy == "lmcache_aware" {
-            if let Some(url) = r.lmcache_status_url() {
-                let _ = write!(s, "[providers.lmcache]\nendpoint = \"{url}\"\n");
-            }
-        }
-    }
-    let _ = write!(
-        s,
-        "\n[[routes]]\nmodel = \"{model}\"\nstrategy = \"{strategy}\"\n"
-    );
-    for line in route_options {
-        let _ = writeln!(s, "{line}");
-    }
-    for r in fleet.replicas() {
-        let _ = write!(
-            s,
-            "[[routes.targets]]\nprovider = \"sim-{}\"\nmodel = \"{upstream_model}\"\nweight = 1\n",
-            r.index
-        );
-    }
-    s
-}
-
-/// Describe the workload in one sentence.
-pub fn describe_workload(w: &WorkloadSpec, requests: usize) -> String {
-    match w.workload {
-        WorkloadKind::MultiTurn => format!(
-            "multi-turn chat: {} sessions × {} turns, each session on one of {} shared system \
-             prompts of ~{} tokens, {}-token questions, {} output tokens, seed {} → {} requests",
-            w.sessions,
-            w.turns,
-            w.prefixes,
-            w.prefix_tokens,
-            w.user_tokens,
-            w.max_tokens,
-            w.seed,
-            requests
-        ),
-        WorkloadKind::FewShot => format!(
-            "few-shot: {} requests, each one of {} templates of ~{} tokens + a unique {}-token \
-             question, {} output tokens, seed {}",
-            requests, w.prefixes, w.prefix_tokens, w.user_tokens, w.max_tokens, w.seed
-        ),
-        WorkloadKind::Unique => format!(
-            "unique prompts: {} requests of {} unrelated tokens, {} output tokens, seed {}",
-            requests, w.user_tokens, w.max_tokens, w.seed
-        ),
-        WorkloadKind::Agentic => format!(
-            "agentic: {} agents × {} steps, each agent on one of {} tool prompts of ~{} tokens; \
-             each step a {}-token instruction fanned out into {}–{} parallel calls ({} more \
-             tokens each), the next step after all answered, {} output tokens, seed {} → {} \
-             requests",
-            w.sessions,
-            w.turns,
-            w.prefixes,
-            w.prefix_tokens,
-            w.user_tokens,
-            w.fanout_min,
-            w.fanout_max,
-            w.call_tokens,
-            w.max_tokens,
-            w.seed,
-            requests
-        ),
-        WorkloadKind::Skewed => format!(
-            "skewed multi-turn chat: {} sessions × {} turns; a session's ~{}-token system prompt \
-             is the hot one with probability {}, else one of {} others; {}-token questions, {} \
-             output tokens, seed {} → {} requests",
-            w.sessions,
-            w.turns,
-            w.prefix_tokens,
-            w.hot_share,
-            w.prefixes.saturating_sub(1),
-            w.user_tokens,
-            w.max_tokens,
-            w.seed,
-            requests
-        ),
-    }
-}
-
-fn describe_fleet(sim: &SimArgs) -> String {
-    format!(
-        "{} simulated replicas, cache {} blocks × {} tokens each, at most {} running (others \
-         wait), prefill {} µs per uncached token, decode {} µs per output token",
-        sim.replicas,
-        sim.cache_blocks,
-        sim.block_size,
-        sim.max_running,
-        sim.prefill_us_per_token,
-        sim.decode_us_per_token
-    )
 }
 
 /// A rolter strategy name with an optional gateway count: `cache_aware@2` is cache_aware
@@ -748,79 +611,6 @@ pub async fn compare(
     write_report(&out, &md, &json)?;
     let _ = std::fs::remove_dir_all(&workdir);
     Ok(md)
-}
-
-/// The report's title and bullet list (workload, fleet, load, how to regenerate).
-pub fn render_header(
-    workload: &WorkloadSpec,
-    sim: &SimArgs,
-    driver: &DriverArgs,
-    n_requests: usize,
-) -> String {
-    let mut s = format!("# Routing comparison: {}\n\n", workload.workload.name());
-    let _ = writeln!(
-        s,
-        "- Workload: {}.",
-        describe_workload(workload, n_requests)
-    );
-    let _ = writeln!(s, "- Fleet: {}.", describe_fleet(sim));
-    let _ = writeln!(s, "- Load: {}.", driver.describe());
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let _ = writeln!(
-        s,
-        "- Regenerate: `loadtest/run.sh` (peers and repeats: `loadtest/peers.sh`; this table: \
-         `rolter-load {}`).\n",
-        args.join(" ")
-    );
-    s
-}
-
-pub const TABLE_NOTES: &str = "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ \
-    `vllm:prefix_cache_queries_total` (prompt tokens) over the replicas during the run. *of \
-    bound*: that rate divided by the upper bound, the hit rate of a single replica with an \
-    unbounded cache serving the same trace. Latencies in milliseconds over successful requests; \
-    TTFT is the first content chunk of the streamed response. *requests per replica*: percent of \
-    requests each replica received; *max/mean*: busiest replica over the mean (1.00 = even). \
-    `smg_*` / `vllm_router_*` rows: that peer gateway in rolter's place (loadtest/peers.sh).\n";
-
-/// The report document.
-pub fn render(
-    workload: &WorkloadSpec,
-    sim: &SimArgs,
-    driver: &DriverArgs,
-    reports: &[StrategyReport],
-    bound: HitCount,
-    n_requests: usize,
-) -> String {
-    let mut s = render_header(workload, sim, driver, n_requests);
-    s.push_str(&markdown_table(reports, Some(bound)));
-    s.push_str(TABLE_NOTES);
-    s
-}
-
-/// The report document of a repeated comparison: medians, then every run.
-pub fn render_repeats(
-    workload: &WorkloadSpec,
-    sim: &SimArgs,
-    driver: &DriverArgs,
-    summaries: &[StrategySummary],
-    runs: &[StrategyReport],
-    bound: HitCount,
-    n_requests: usize,
-) -> String {
-    let mut s = render_header(workload, sim, driver, n_requests);
-    let rounds = summaries.iter().map(|r| r.runs).max().unwrap_or(0);
-    let _ = writeln!(
-        s,
-        "Median of {rounds} interleaved runs per strategy (each round runs every strategy once \
-         on a fresh fleet, the order rotated by one each round); *hit rate min–max* is the \
-         spread over the runs, in percent.\n"
-    );
-    s.push_str(&summary_table(summaries, Some(bound)));
-    s.push_str("\n### Every run\n\n");
-    s.push_str(&markdown_table(runs, Some(bound)));
-    s.push_str(TABLE_NOTES);
-    s
 }
 
 #[cfg(test)]

@@ -220,13 +220,14 @@ async fn run_session(shared: &Shared, i: usize) {
         }
         // A fanned-out turn sends its calls at once; the history goes on with call 0's reply.
         let calls = (0..session.calls_at(t)).map(|c| send_call(shared, i, t, c, &replies));
-        let mut done = futures_util::future::join_all(calls).await;
-        let mut texts = done.iter_mut().map(|(_, text)| std::mem::take(text));
-        replies.push(texts.next().unwrap_or_default());
-        shared
-            .out
-            .lock()
-            .extend(done.into_iter().map(|(outcome, _)| outcome));
+        let done = futures_util::future::join_all(calls).await;
+        let mut out = shared.out.lock();
+        for (call, (outcome, text)) in done.into_iter().enumerate() {
+            if call == 0 {
+                replies.push(text);
+            }
+            out.push(outcome);
+        }
     }
 }
 

@@ -11,9 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::load::compare::{
-    numbered_runs, render_header, run_rounds, with_gateway_twins, workdir, write_report,
-    CompareArgs, CompareError, DriverArgs, Rounds, TABLE_NOTES,
+    numbered_runs, run_rounds, with_gateway_twins, workdir, write_report, CompareArgs,
+    CompareError, DriverArgs, Rounds,
 };
+use crate::load::document::{describe_workload, render_header, TABLE_NOTES};
 use crate::load::repeats::{summarize_runs, summary_table, StrategySummary};
 use crate::load::report::markdown_table;
 use crate::load::upper_bound::upper_bound;
@@ -150,7 +151,7 @@ pub async fn sweep(
         ))
     });
     let json = serde_json::json!({
-        "workload": crate::load::compare::describe_workload(workload, n_requests),
+        "workload": describe_workload(workload, n_requests),
         "upper_bound_hit_rate": bound.rate(),
         "slo_ttft_ms": driver.slo_ttft_ms,
         "repeats": rounds,

@@ -155,9 +155,9 @@ impl Session {
         if let Some(s) = &self.system {
             m.push(ChatMessage::new("system", s.clone()));
         }
-        for i in 0..t {
+        for (i, reply) in replies[..t].iter().enumerate() {
             m.push(ChatMessage::new("user", self.user_message(i, 0)));
-            m.push(ChatMessage::new("assistant", replies[i].clone()));
+            m.push(ChatMessage::new("assistant", reply.clone()));
         }
         m.push(ChatMessage::new("user", self.user_message(t, call)));
         m
