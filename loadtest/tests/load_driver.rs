@@ -328,3 +328,66 @@ async fn repeats_run_every_strategy_each_round_and_report_medians() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A readiness endpoint that reports `healthy_workers` from a shared counter.
+async fn readiness_server(healthy: Arc<std::sync::atomic::AtomicUsize>) -> u16 {
+    use axum::{routing::get, Json, Router};
+    let app = Router::new().route(
+        "/readiness",
+        get(move || {
+            let h = healthy.load(std::sync::atomic::Ordering::Relaxed);
+            async move { Json(serde_json::json!({"status": "ready", "healthy_workers": h})) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_peer_is_ready_only_once_every_worker_is_healthy() {
+    use rolter_loadtest::load::gateway::{start, Launch};
+    use rolter_loadtest::load::peer::Readiness;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = std::env::temp_dir().join(format!("rolter-load-test-ready-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The "peer" is a process that just stays up; readiness is served beside it.
+    let healthy = Arc::new(AtomicUsize::new(1));
+    let port = readiness_server(healthy.clone()).await;
+    let launch = |timeout_ms: u64, log: &str| Launch {
+        program: std::path::Path::new("sleep"),
+        args: vec!["30".into()],
+        port,
+        ready: Readiness::HealthyWorkers(2),
+        log: dir.join(log),
+        ready_timeout: Duration::from_millis(timeout_ms),
+    };
+    // One of two workers healthy: never ready.
+    let err = start(launch(600, "a.log")).await.err().unwrap();
+    assert!(err.contains("not ready"), "{err}");
+    // The second registers a moment later: ready then.
+    let h = healthy.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        h.store(2, Ordering::Relaxed);
+    });
+    let gw = start(launch(10_000, "b.log")).await.unwrap();
+    assert_eq!(gw.base_url, format!("http://127.0.0.1:{port}"));
+    gw.stop().await;
+    // A process that exits before it is ready is reported with its log's last line.
+    healthy.store(0, Ordering::Relaxed);
+    let early = Launch {
+        program: std::path::Path::new("sh"),
+        args: vec!["-c".into(), "echo cannot bind >&2; exit 3".into()],
+        ..launch(10_000, "c.log")
+    };
+    let err = start(early).await.err().unwrap();
+    assert!(
+        err.contains("exited") && err.contains("cannot bind"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
