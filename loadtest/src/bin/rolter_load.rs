@@ -7,6 +7,8 @@
 //! - `sweep`: `compare` at each of `--rates` (open loop), goodput (requests/s within the TTFT
 //!   objective) per strategy and rate.
 //! - `upper-bound`: the workload's best possible hit rate (one replica, unbounded cache).
+//! - `traces DIR`: per `--trace-dir` trace, how often conversations moved replica and how each
+//!   system prompt was spread over the replicas.
 
 use std::sync::Arc;
 
@@ -17,6 +19,7 @@ use rolter_loadtest::load::report::{goodput, markdown_table, summarize};
 use rolter_loadtest::load::runner::{run, Dispatch};
 use rolter_loadtest::load::scrape::scrape_all;
 use rolter_loadtest::load::sweep::sweep;
+use rolter_loadtest::load::trace_summary::{render_summary, summarize_trace, TraceRow};
 use rolter_loadtest::load::upper_bound::upper_bound;
 use rolter_loadtest::load::workload::{generate, request_count, WorkloadSpec};
 use rolter_loadtest::sim_args::SimArgs;
@@ -90,6 +93,13 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', required = true)]
         rates: Vec<f64>,
     },
+    /// Summarize the traces in a --trace-dir directory (every *.jsonl, by name).
+    Traces {
+        dir: std::path::PathBuf,
+        /// System prompts listed per trace (most requests first).
+        #[arg(long, default_value_t = 8)]
+        prompts: usize,
+    },
     /// Print the workload's upper-bound hit rate.
     UpperBound {
         #[command(flatten)]
@@ -97,6 +107,33 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         block_size: usize,
     },
+}
+
+/// Every `*.jsonl` trace in `dir`, by file name (without the extension), in name order.
+fn read_traces(dir: &std::path::Path) -> Result<Vec<(String, Vec<TraceRow>)>, String> {
+    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    paths.sort();
+    let mut out = Vec::with_capacity(paths.len());
+    for p in paths {
+        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let rows = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| {
+                serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", p.display(), i + 1))
+            })
+            .collect::<Result<Vec<TraceRow>, String>>()?;
+        let name = p
+            .file_stem()
+            .map_or_else(String::new, |s| s.to_string_lossy().into());
+        out.push((name, rows));
+    }
+    Ok(out)
 }
 
 /// `fut`'s output, or `None` if SIGINT or SIGTERM comes first. Dropping `fut` then kills the
@@ -217,6 +254,21 @@ async fn main() -> std::process::ExitCode {
             }
             Some(Err(e)) => {
                 eprintln!("rolter-load sweep: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Cmd::Traces { dir, prompts } => match read_traces(&dir) {
+            Ok(traces) => {
+                for (name, rows) in traces {
+                    println!(
+                        "{}",
+                        render_summary(&name, &summarize_trace(&rows), prompts)
+                    );
+                }
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rolter-load traces: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

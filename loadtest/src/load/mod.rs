@@ -5,7 +5,7 @@
 //! rate of a workload, and `compare` runs every strategy through the gateway (`gateway` starts
 //! the processes, `peer` knows the other gateways, `repeats` folds repeated runs into medians,
 //! `routes` writes the routing files, `document` the reports' text); `sweep` repeats the
-//! comparison at rising open-loop rates (goodput).
+//! comparison at rising open-loop rates (goodput); `trace_summary` reads `--trace-dir` traces.
 
 pub mod compare;
 pub mod document;
@@ -17,5 +17,6 @@ pub mod routes;
 pub mod runner;
 pub mod scrape;
 pub mod sweep;
+pub mod trace_summary;
 pub mod upper_bound;
 pub mod workload;
