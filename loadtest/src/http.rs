@@ -6,7 +6,11 @@
 //!   `stream: true` gives SSE `data: {chunk}\n\n` lines then `data: [DONE]\n\n`, with a usage
 //!   chunk when `stream_options.include_usage` is set. Output length is `max_completion_tokens`
 //!   or `max_tokens` (default `default_max_tokens`).
-//! - `GET /health`, `GET /metrics` (vLLM metric names), `GET /v1/models`.
+//! - `POST /v1/chat/completions/render`, `POST /v1/completions/render`: vLLM's render API (the
+//!   prompt's token ids as a `GenerateRequest`, no generation; not counted as a request), which
+//!   vllm-router's cache_aware calls before every request.
+//! - `GET /health`, `GET /metrics` (vLLM metric names), `GET /v1/models` (vLLM's model card,
+//!   `owned_by: "vllm"`), `GET /version` (vLLM's `{"version": ...}`).
 //! - `GET /cache/status`: the LMCache-style `{"occupancy": f, "cache_available": b}`.
 //! - `POST /reset_prefix_cache` (vLLM's dev endpoint): clear the cache, publish AllBlocksCleared.
 //! - Test hooks: `GET /sim/stats`, `GET /sim/cache`, `GET /sim/requests`, and
@@ -35,6 +39,9 @@ pub const HANG_LIMIT: Duration = Duration::from_secs(600);
 /// Largest request body accepted (vLLM has no small limit; prompts of several MiB are normal).
 pub const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
+/// What `GET /version` reports: the simulator, not a vLLM release.
+pub const SIM_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+rolter-sim");
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The router of one replica.
@@ -42,7 +49,10 @@ pub fn router(replica: Arc<Replica>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/completions/render", post(render_completions))
         .route("/v1/models", get(models))
+        .route("/version", get(version))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/cache/status", get(lmcache_status))
@@ -63,6 +73,65 @@ fn openai_error(status: StatusCode, message: &str) -> Response {
         "code": status.as_u16(),
     }});
     (status, Json(body)).into_response()
+}
+
+/// vLLM's `GenerateRequest` for a rendered prompt: the token ids and the sampling parameters
+/// the request would run with (the fields a router reads; vLLM's full `SamplingParams` has more).
+fn generate_request(r: &Replica, req: &Value, token_ids: Vec<u32>) -> Value {
+    let max_tokens = req
+        .get("max_completion_tokens")
+        .or_else(|| req.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(r.config().default_max_tokens as u64);
+    let model = req
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or(&r.config().model);
+    json!({
+        "request_id": format!("render-sim{}-{}", r.index, NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+        "token_ids": token_ids,
+        "features": null,
+        "sampling_params": {
+            "n": 1,
+            "temperature": req.get("temperature").and_then(Value::as_f64).unwrap_or(1.0),
+            "top_p": req.get("top_p").and_then(Value::as_f64).unwrap_or(1.0),
+            "max_tokens": max_tokens,
+            "min_tokens": 0,
+            "stop": [],
+            "stop_token_ids": [],
+            "ignore_eos": false,
+            "skip_special_tokens": true,
+        },
+        "model": model,
+        "stream": req.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        "stream_options": req.get("stream_options").cloned().unwrap_or(Value::Null),
+        "cache_salt": null,
+        "priority": 0,
+        "kv_transfer_params": null,
+    })
+}
+
+/// vLLM's `POST /v1/chat/completions/render`: the chat rendered with the template, tokenized.
+async fn render_chat(State(r): State<Arc<Replica>>, body: Bytes) -> Response {
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return openai_error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
+    };
+    match tokenizer::request_prompt_tokens("/v1/chat/completions", &req) {
+        Some(ids) => Json(generate_request(&r, &req, ids)).into_response(),
+        None => openai_error(StatusCode::BAD_REQUEST, "missing or invalid `messages`"),
+    }
+}
+
+/// vLLM's `POST /v1/completions/render`: one `GenerateRequest` per prompt (the simulator serves
+/// one prompt per request, so a list of one).
+async fn render_completions(State(r): State<Arc<Replica>>, body: Bytes) -> Response {
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return openai_error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
+    };
+    match tokenizer::request_prompt_tokens("/v1/completions", &req) {
+        Some(ids) => Json(json!([generate_request(&r, &req, ids)])).into_response(),
+        None => openai_error(StatusCode::BAD_REQUEST, "missing or invalid `prompt`"),
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -299,11 +368,20 @@ fn sse_response(
         .expect("static response parts are valid")
 }
 
+/// vLLM's model card: `owned_by: "vllm"` is how gateways (smg, vllm-router) recognise a vLLM
+/// worker and pick its load source (`/metrics`).
 async fn models(State(r): State<Arc<Replica>>) -> Response {
+    let model = &r.config().model;
     Json(json!({"object": "list", "data": [
-        {"id": r.config().model, "object": "model", "owned_by": "rolter-sim"}
+        {"id": model, "object": "model", "created": unix_secs(), "owned_by": "vllm",
+         "root": model, "parent": null}
     ]}))
     .into_response()
+}
+
+/// vLLM's `GET /version` (`{"version": "..."}`), the other probe gateways use to tell vLLM apart.
+async fn version() -> Response {
+    Json(json!({"version": SIM_VERSION})).into_response()
 }
 
 async fn health(State(r): State<Arc<Replica>>) -> Response {

@@ -5,10 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rolter_loadtest::load::compare::{
-    routes_toml, routes_toml_with, run_strategy, CompareArgs, DriverArgs,
-};
+use rolter_loadtest::load::compare::{compare, run_strategy, CompareArgs, DriverArgs};
 use rolter_loadtest::load::report::summarize;
+use rolter_loadtest::load::routes::{routes_toml, routes_toml_with};
 use rolter_loadtest::load::runner::{run, Dispatch, Mode, RunOptions};
 use rolter_loadtest::load::scrape::scrape_all;
 use rolter_loadtest::load::upper_bound::upper_bound;
@@ -261,4 +260,134 @@ async fn routing_file_and_direct_compare() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("round_robin"), "{err}");
+}
+
+#[derive(clap::Parser)]
+struct CompareCli {
+    #[command(flatten)]
+    sim: SimArgs,
+    #[command(flatten)]
+    driver: DriverArgs,
+    #[command(flatten)]
+    compare: CompareArgs,
+}
+
+#[tokio::test]
+async fn repeats_run_every_strategy_each_round_and_report_medians() {
+    use clap::Parser;
+    let dir = std::env::temp_dir().join(format!("rolter-load-test-repeats-{}", std::process::id()));
+    let out = dir.join("r.md");
+    let a = CompareCli::parse_from([
+        "x",
+        "--replicas",
+        "2",
+        "--clients",
+        "4",
+        "--strategies",
+        "direct_round_robin,direct_session_hash,smg_cache_aware",
+        "--repeats",
+        "2",
+        "--peer-venv",
+        "/nonexistent/venv",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let md = compare(&small_multi_turn(), &a.sim, &a.driver, &a.compare)
+        .await
+        .unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.with_extension("json")).unwrap())
+            .unwrap();
+    assert_eq!(json["repeats"], 2);
+    let summaries = json["strategies"].as_array().unwrap();
+    let names: Vec<&str> = summaries
+        .iter()
+        .map(|s| s["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["direct_round_robin", "direct_session_hash"]);
+    for s in summaries {
+        assert_eq!(s["runs"], 2);
+        assert_eq!(s["requests"], 36);
+        assert_eq!(s["errors"], 0);
+        let (lo, mid, hi) = (
+            s["hit_rate_min"].as_f64().unwrap(),
+            s["hit_rate"].as_f64().unwrap(),
+            s["hit_rate_max"].as_f64().unwrap(),
+        );
+        assert!(lo <= mid && mid <= hi && lo > 0.0, "{s}");
+    }
+    // Session-sticky routing keeps each conversation's cache: it beats round robin.
+    assert!(summaries[1]["hit_rate"].as_f64() > summaries[0]["hit_rate"].as_f64());
+    assert_eq!(json["runs"].as_array().unwrap().len(), 4);
+    assert!(md.contains("| direct_round_robin | 2 |"), "{md}");
+    assert!(md.contains("direct_session_hash #2"), "{md}");
+    // A peer that is not installed is a "Not run" row, not a failed comparison.
+    assert!(
+        md.contains("Not run: `smg_cache_aware`") && md.contains("peers.sh"),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A readiness endpoint that reports `healthy_workers` from a shared counter.
+async fn readiness_server(healthy: Arc<std::sync::atomic::AtomicUsize>) -> u16 {
+    use axum::{routing::get, Json, Router};
+    let app = Router::new().route(
+        "/readiness",
+        get(move || {
+            let h = healthy.load(std::sync::atomic::Ordering::Relaxed);
+            async move { Json(serde_json::json!({"status": "ready", "healthy_workers": h})) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_peer_is_ready_only_once_every_worker_is_healthy() {
+    use rolter_loadtest::load::gateway::{start, Launch};
+    use rolter_loadtest::load::peer::Readiness;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = std::env::temp_dir().join(format!("rolter-load-test-ready-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The "peer" is a process that just stays up; readiness is served beside it.
+    let healthy = Arc::new(AtomicUsize::new(1));
+    let port = readiness_server(healthy.clone()).await;
+    let launch = |timeout_ms: u64, log: &str| Launch {
+        program: std::path::Path::new("sleep"),
+        args: vec!["30".into()],
+        port,
+        ready: Readiness::HealthyWorkers(2),
+        log: dir.join(log),
+        ready_timeout: Duration::from_millis(timeout_ms),
+    };
+    // One of two workers healthy: never ready.
+    let err = start(launch(600, "a.log")).await.err().unwrap();
+    assert!(err.contains("not ready"), "{err}");
+    // The second registers a moment later: ready then.
+    let h = healthy.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        h.store(2, Ordering::Relaxed);
+    });
+    let gw = start(launch(10_000, "b.log")).await.unwrap();
+    assert_eq!(gw.base_url, format!("http://127.0.0.1:{port}"));
+    gw.stop().await;
+    // A process that exits before it is ready is reported with its log's last line.
+    healthy.store(0, Ordering::Relaxed);
+    let early = Launch {
+        program: std::path::Path::new("sh"),
+        args: vec!["-c".into(), "echo cannot bind >&2; exit 3".into()],
+        ..launch(10_000, "c.log")
+    };
+    let err = start(early).await.err().unwrap();
+    assert!(
+        err.contains("exited") && err.contains("cannot bind"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

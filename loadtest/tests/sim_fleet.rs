@@ -211,6 +211,63 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
+
+    // What gateways probe to recognise a vLLM worker (smg: `owned_by`, then `/version`).
+    let models: Json = c
+        .get(format!("{}/v1/models", r0.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["owned_by"], "vllm");
+    assert_eq!(models["data"][0]["id"], ReplicaConfig::default().model);
+    let version: Json = c
+        .get(format!("{}/version", r0.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(version["version"].as_str().is_some(), "{version}");
+
+    // vLLM's render API: the prompt's token ids, no generation, not counted as a request.
+    let requests_before = r0.stats().requests;
+    let chat = chat_body("be brief", "render me", 5, false);
+    let rendered: Json = c
+        .post(format!("{}/v1/chat/completions/render", r0.base_url()))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let expected =
+        rolter_loadtest::tokenizer::request_prompt_tokens("/v1/chat/completions", &chat).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(rendered["token_ids"].clone()).unwrap();
+    assert_eq!(ids, expected);
+    assert_eq!(rendered["sampling_params"]["max_tokens"], 5);
+    let listed: Json = c
+        .post(format!("{}/v1/completions/render", r0.base_url()))
+        .json(&json!({"model": "m", "prompt": [7, 8, 9]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed[0]["token_ids"], json!([7, 8, 9]));
+    let bad = c
+        .post(format!("{}/v1/chat/completions/render", r0.base_url()))
+        .json(&json!({"model": "m"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    assert_eq!(r0.stats().requests, requests_before);
     f.shutdown().await;
 }
 

@@ -4,15 +4,22 @@
 //!   report hit rate (from `--replica-urls` metrics), latencies, throughput and load spread.
 //! - `compare`: start a simulated fleet and the gateway once per strategy, write the table to
 //!   loadtest/reports/.
+//! - `sweep`: `compare` at each of `--rates` (open loop), goodput (requests/s within the TTFT
+//!   objective) per strategy and rate.
 //! - `upper-bound`: the workload's best possible hit rate (one replica, unbounded cache).
+//! - `traces DIR`: per `--trace-dir` trace, how often conversations moved replica and how each
+//!   system prompt was spread over the replicas.
 
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use rolter_loadtest::load::compare::{compare, describe_workload, CompareArgs, DriverArgs};
-use rolter_loadtest::load::report::{markdown_table, summarize};
+use rolter_loadtest::load::compare::{compare, CompareArgs, DriverArgs};
+use rolter_loadtest::load::document::describe_workload;
+use rolter_loadtest::load::report::{goodput, markdown_table, summarize};
 use rolter_loadtest::load::runner::{run, Dispatch};
 use rolter_loadtest::load::scrape::scrape_all;
+use rolter_loadtest::load::sweep::sweep;
+use rolter_loadtest::load::trace_summary::{render_summary, summarize_trace, TraceRow};
 use rolter_loadtest::load::upper_bound::upper_bound;
 use rolter_loadtest::load::workload::{generate, request_count, WorkloadSpec};
 use rolter_loadtest::sim_args::SimArgs;
@@ -72,6 +79,27 @@ enum Cmd {
         #[command(flatten)]
         compare: CompareArgs,
     },
+    /// Compare strategies at rising open-loop rates; report goodput.
+    Sweep {
+        #[command(flatten)]
+        workload: WorkloadSpec,
+        #[command(flatten)]
+        driver: DriverArgs,
+        #[command(flatten)]
+        sim: Box<SimArgs>,
+        #[command(flatten)]
+        compare: CompareArgs,
+        /// Open-loop rates, requests per second, comma-separated (e.g. 40,80,120).
+        #[arg(long, value_delimiter = ',', required = true)]
+        rates: Vec<f64>,
+    },
+    /// Summarize the traces in a --trace-dir directory (every *.jsonl, by name).
+    Traces {
+        dir: std::path::PathBuf,
+        /// System prompts listed per trace (most requests first).
+        #[arg(long, default_value_t = 8)]
+        prompts: usize,
+    },
     /// Print the workload's upper-bound hit rate.
     UpperBound {
         #[command(flatten)]
@@ -79,6 +107,58 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         block_size: usize,
     },
+}
+
+/// Every `*.jsonl` trace in `dir`, by file name (without the extension), in name order.
+fn read_traces(dir: &std::path::Path) -> Result<Vec<(String, Vec<TraceRow>)>, String> {
+    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    paths.sort();
+    let mut out = Vec::with_capacity(paths.len());
+    for p in paths {
+        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let rows = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| {
+                serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", p.display(), i + 1))
+            })
+            .collect::<Result<Vec<TraceRow>, String>>()?;
+        let name = p
+            .file_stem()
+            .map_or_else(String::new, |s| s.to_string_lossy().into());
+        out.push((name, rows));
+    }
+    Ok(out)
+}
+
+/// `fut`'s output, or `None` if SIGINT or SIGTERM comes first. Dropping `fut` then kills the
+/// gateway processes it started (they are spawned with kill_on_drop), so an interrupted
+/// comparison leaves no gateway behind.
+async fn until_signal<T>(fut: impl std::future::Future<Output = T>) -> Option<T> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).ok();
+    let terminated = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    let out = tokio::select! {
+        v = fut => Some(v),
+        _ = tokio::signal::ctrl_c() => None,
+        _ = terminated => None,
+    };
+    if out.is_none() {
+        eprintln!("rolter-load: interrupted; gateways stopped");
+    }
+    out
 }
 
 #[tokio::main]
@@ -138,7 +218,8 @@ async fn main() -> std::process::ExitCode {
                 eprintln!("rolter-load run: {e}");
                 return std::process::ExitCode::FAILURE;
             }
-            let report = summarize(&label, &outcome, &before, &after);
+            let mut report = summarize(&label, &outcome, &before, &after);
+            report.goodput = goodput(&outcome, driver.ttft_slo());
             println!("{}\n", describe_workload(&workload, n));
             println!("{}", markdown_table(&[report], Some(bound)));
             std::process::ExitCode::SUCCESS
@@ -148,13 +229,46 @@ async fn main() -> std::process::ExitCode {
             driver,
             sim,
             compare: args,
-        } => match compare(&workload, &sim, &driver, &args).await {
-            Ok(md) => {
+        } => match until_signal(compare(&workload, &sim, &driver, &args)).await {
+            None => std::process::ExitCode::FAILURE,
+            Some(Ok(md)) => {
                 println!("{md}");
                 std::process::ExitCode::SUCCESS
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 eprintln!("rolter-load compare: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Cmd::Sweep {
+            workload,
+            driver,
+            sim,
+            compare: args,
+            rates,
+        } => match until_signal(sweep(&workload, &sim, &driver, &args, &rates)).await {
+            None => std::process::ExitCode::FAILURE,
+            Some(Ok(md)) => {
+                println!("{md}");
+                std::process::ExitCode::SUCCESS
+            }
+            Some(Err(e)) => {
+                eprintln!("rolter-load sweep: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Cmd::Traces { dir, prompts } => match read_traces(&dir) {
+            Ok(traces) => {
+                for (name, rows) in traces {
+                    println!(
+                        "{}",
+                        render_summary(&name, &summarize_trace(&rows), prompts)
+                    );
+                }
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rolter-load traces: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

@@ -2,16 +2,22 @@
 //!
 //! Owns the orchestration: per strategy, start a fresh in-process simulated fleet (ephemeral
 //! ports, empty caches), write a routing TOML for it, start the gateway binary
-//! (`rolter --routes FILE --listen 127.0.0.1:PORT [extra args]`), wait for its `/health`,
-//! run the workload through it, read the replicas' counters, stop both; then write the
-//! markdown table (plus a JSON copy) with the workload's theoretical upper bound.
+//! (`rolter --routes FILE --listen 127.0.0.1:PORT [extra args]`, see `gateway`), run the
+//! workload through it, read the replicas' counters, stop both; then write the markdown table
+//! (plus a JSON copy) with the workload's theoretical upper bound.
 //!
 //! Strategies `direct_round_robin` and `direct_session_hash` bypass the gateway (the driver
 //! picks the replica itself): baselines, and a way to check this harness without a gateway.
-//! `precise_cache_aware` gets `[providers.kv_events]`, `lmcache_aware` gets
-//! `[providers.lmcache]` and `cache_aware` gets each provider's `kv_cache_tokens` (the
-//! replica's cache size, which sizes its prefix trie) in the routing file; other strategies
-//! get none of these.
+//! `smg_<policy>` and `vllm_router_<policy>` run a peer gateway in rolter's place (see `peer`)
+//! with the fleet's worker URLs, the same workload and seed, the same counters read. The
+//! routing file is `routes`' and the report's wording `document`'s.
+//!
+//! `cache_aware@2` (or `--gateways 2`, which adds that row beside each rolter strategy's) runs
+//! two rolter processes with the same routing file in front of one fleet, each request sent to
+//! either at random, as behind an L4 balancer.
+//!
+//! `--repeats N` runs N rounds, each strategy once per round on a fresh fleet in a rotated
+//! order (see `repeats`), and reports per-strategy medians and the hit rate's spread.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,14 +25,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::process::{Child, Command};
 
 use crate::fleet::{spawn_fleet, FleetHandle};
-use crate::load::report::{markdown_table, summarize, StrategyReport};
+use crate::load::document::{describe_workload, render, render_repeats};
+use crate::load::gateway::{self, free_port, Gateway, Launch};
+use crate::load::peer::{default_venv, parse_peer, Readiness};
+use crate::load::repeats::{round_order, summarize_runs, StrategySummary};
+use crate::load::report::{goodput, summarize, StrategyReport};
+use crate::load::routes::routes_toml_with;
 use crate::load::runner::{run, write_trace, Dispatch, Mode, RunOptions, RunOutcome};
 use crate::load::scrape::scrape_all;
-use crate::load::upper_bound::{upper_bound, HitCount};
-use crate::load::workload::{generate, request_count, Session, WorkloadKind, WorkloadSpec};
+use crate::load::upper_bound::upper_bound;
+use crate::load::workload::{generate, request_count, Session, WorkloadSpec};
 use crate::sim_args::SimArgs;
 
 /// Strategies that bypass the gateway.
@@ -80,9 +90,18 @@ pub struct DriverArgs {
     /// tokens, timings) to DIR/<strategy or label>.jsonl.
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
+    /// TTFT objective of goodput (successful requests per second whose TTFT is at most this),
+    /// milliseconds.
+    #[arg(long, default_value_t = 500.0)]
+    pub slo_ttft_ms: f64,
 }
 
 impl DriverArgs {
+    /// The goodput TTFT objective.
+    pub fn ttft_slo(&self) -> Duration {
+        Duration::from_secs_f64(self.slo_ttft_ms.max(0.0) / 1e3)
+    }
+
     pub fn run_options(&self, seed: u64) -> RunOptions {
         RunOptions {
             mode: match self.rate {
@@ -117,7 +136,7 @@ impl DriverArgs {
             .map_err(|source| CompareError::Write { path, source })
     }
 
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let mode = match self.rate {
             Some(r) => format!("open loop, Poisson arrivals at {r} requests/s"),
             None => format!("closed loop, {} concurrent clients", self.clients),
@@ -159,221 +178,168 @@ pub struct CompareArgs {
     /// Upstream model name in the routing file (the replicas accept any).
     #[arg(long, default_value = "sim-model")]
     pub upstream_model: String,
+    /// Also run each rolter strategy S behind this many independent gateways (row `S@N`, beside
+    /// S's one-gateway row): the same routing file, each request sent to one of them at random
+    /// as an L4 balancer would. `S@N` in --strategies does the same for one strategy.
+    #[arg(long, default_value_t = 1)]
+    pub gateways: usize,
+    /// Rounds: every strategy runs once per round (fresh fleet each time), in an order rotated
+    /// by one each round; the report gives per-strategy medians and the hit rate's min–max.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// The venv holding peer gateways (`smg_*`, `vllm_router_*` strategies), as
+    /// loadtest/peers.sh installs it [default: $ROLTER_PEERS_VENV, else
+    /// ~/.cache/rolter-peers/venv].
+    #[arg(long)]
+    pub peer_venv: Option<PathBuf>,
+    /// Extra argument for peer gateways (repeatable), e.g. --peer-arg=--cache-threshold
+    /// --peer-arg=0.5.
+    #[arg(long = "peer-arg", allow_hyphen_values = true)]
+    pub peer_args: Vec<String>,
 }
 
-/// The routing TOML for `strategy` over `fleet`, route alias `model`.
-pub fn routes_toml(
-    fleet: &FleetHandle,
-    strategy: &str,
-    model: &str,
-    upstream_model: &str,
-) -> String {
-    routes_toml_with(fleet, strategy, model, upstream_model, &[])
+/// A rolter strategy name with an optional gateway count: `cache_aware@2` is cache_aware
+/// behind two gateways; no suffix (or an unreadable one) is one.
+pub fn split_gateways(strategy: &str) -> (&str, usize) {
+    match strategy.rsplit_once('@') {
+        Some((base, n)) => match n.parse::<usize>() {
+            Ok(n) if n >= 1 => (base, n),
+            _ => (strategy, 1),
+        },
+        None => (strategy, 1),
+    }
 }
 
-/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`).
-pub fn routes_toml_with(
-    fleet: &FleetHandle,
-    strategy: &str,
-    model: &str,
-    upstream_model: &str,
-    route_options: &[String],
-) -> String {
-    let mut s = String::from("# Written by rolter-load compare.\n");
-    for r in fleet.replicas() {
-        let _ = write!(
-            s,
-            "\n[[providers]]\nname = \"sim-{}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n",
-            r.index,
-            r.base_url()
-        );
-        if strategy == "cache_aware" {
-            // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
-            let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
-        }
-        if strategy == "precise_cache_aware" {
-            if let Some(ep) = r.kv_events_endpoint() {
-                let _ = write!(
-                    s,
-                    "[providers.kv_events]\nendpoint = \"{ep}\"\ntopic = \"{}\"\n",
-                    r.kv_topic().unwrap_or("")
-                );
-                if let Some(rep) = r.kv_replay_endpoint() {
-                    let _ = writeln!(s, "replay_endpoint = \"{rep}\"");
-                }
-            }
-        }
-        if strategy == "lmcache_aware" {
-            if let Some(url) = r.lmcache_status_url() {
-                let _ = write!(s, "[providers.lmcache]\nendpoint = \"{url}\"\n");
-            }
+/// `strategies` with, when `gateways` > 1, each rolter strategy followed by its
+/// `<strategy>@<gateways>` twin (direct, peer and already-suffixed names are left alone).
+pub fn with_gateway_twins(strategies: &[String], gateways: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(strategies.len() * 2);
+    for s in strategies {
+        out.push(s.clone());
+        let rolter =
+            !DIRECT_STRATEGIES.contains(&s.as_str()) && parse_peer(s).is_none() && !s.contains('@');
+        if gateways > 1 && rolter {
+            out.push(format!("{s}@{gateways}"));
         }
     }
-    let _ = write!(
-        s,
-        "\n[[routes]]\nmodel = \"{model}\"\nstrategy = \"{strategy}\"\n"
+    out
+}
+
+/// Start `count` rolter processes for `strategy` in front of `fleet`, all with one routing file
+/// (independent gateways: nothing shared but the replicas).
+async fn start_rolter(
+    fleet: &FleetHandle,
+    compare: &CompareArgs,
+    driver: &DriverArgs,
+    strategy: &str,
+    count: usize,
+    workdir: &Path,
+) -> Result<Vec<Gateway>, String> {
+    let routes = workdir.join(format!("routes-{strategy}.toml"));
+    let toml = routes_toml_with(
+        fleet,
+        strategy,
+        &driver.request_model,
+        &compare.upstream_model,
+        &compare.route_options,
     );
-    for line in route_options {
-        let _ = writeln!(s, "{line}");
-    }
-    for r in fleet.replicas() {
-        let _ = write!(
-            s,
-            "[[routes.targets]]\nprovider = \"sim-{}\"\nmodel = \"{upstream_model}\"\nweight = 1\n",
-            r.index
+    std::fs::write(&routes, toml).map_err(|e| format!("writing {}: {e}", routes.display()))?;
+    let mut gateways: Vec<Gateway> = Vec::with_capacity(count);
+    for k in 0..count {
+        let taken: Vec<u16> = gateways.iter().map(|g| g.port).collect();
+        let port = free_port(&taken).map_err(|e| format!("picking a port: {e}"))?;
+        let mut args = vec![
+            "--routes".to_string(),
+            routes.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+        ];
+        args.extend(compare.gateway_args.iter().cloned());
+        let log = if count > 1 {
+            workdir.join(format!("gateway-{strategy}-{k}.log"))
+        } else {
+            workdir.join(format!("gateway-{strategy}.log"))
+        };
+        // On an error the started ones are killed on drop.
+        gateways.push(
+            gateway::start(Launch {
+                program: &compare.gateway,
+                args,
+                port,
+                ready: Readiness::Health,
+                log,
+                ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
+            })
+            .await?,
         );
     }
-    s
-}
-
-/// A running gateway process, killed on drop.
-struct Gateway {
-    child: Child,
-    base_url: String,
-    log: PathBuf,
-}
-
-/// Ports tried for the gateway's listener: below Linux's ephemeral range (32768–60999), so the
-/// port cannot be taken meanwhile as the local port of one of the many outgoing connections
-/// (the gateway binds it only after we release it).
-const GATEWAY_PORTS: std::ops::Range<u16> = 20_000..32_000;
-
-/// A port free on 127.0.0.1 right now, picked at random from [`GATEWAY_PORTS`].
-fn free_port() -> std::io::Result<u16> {
-    use rand::Rng;
-    let mut rng = rand::thread_rng();
-    for _ in 0..100 {
-        let port = rng.gen_range(GATEWAY_PORTS);
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
-        }
+    if strategy == "precise_cache_aware"
+        && !fleet
+            .wait_for_kv_subscribers(count, Duration::from_secs(10))
+            .await
+    {
+        eprintln!(
+            "warning: {strategy}: the gateways did not all subscribe to every replica's KV \
+             events within 10 s"
+        );
     }
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(gateways)
 }
 
-/// The last non-empty line of the gateway's log, and the log's tail printed to stderr.
-fn log_summary(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let tail = &lines[lines.len().saturating_sub(20)..];
-    if !tail.is_empty() {
-        eprintln!("   gateway log ({}):\n{}", path.display(), tail.join("\n"));
-    }
-    tail.last()
-        .map_or_else(|| "empty log".into(), |l| l.trim().to_string())
-}
-
-async fn start_gateway(
-    args: &CompareArgs,
+/// Start the peer gateway `peer` in front of `workers`.
+async fn start_peer(
+    compare: &CompareArgs,
     strategy: &str,
-    routes: &Path,
+    peer: &crate::load::peer::PeerSpec,
+    workers: &[String],
     workdir: &Path,
 ) -> Result<Gateway, String> {
-    let port = free_port().map_err(|e| format!("picking a port: {e}"))?;
-    let listen = format!("127.0.0.1:{port}");
-    let log = workdir.join(format!("gateway-{strategy}.log"));
-    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let err = file.try_clone().map_err(|e| e.to_string())?;
-    let mut child = Command::new(&args.gateway)
-        .arg("--routes")
-        .arg(routes)
-        .arg("--listen")
-        .arg(&listen)
-        .args(&args.gateway_args)
-        .stdin(std::process::Stdio::null())
-        .stdout(file)
-        .stderr(err)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", args.gateway.display()))?;
-    let base_url = format!("http://{listen}");
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(2))
-        .build()
-        .map_err(|e| e.to_string())?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(args.ready_timeout_secs);
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!(
-                "gateway exited with {status} before becoming ready: {}",
-                log_summary(&log)
-            ));
-        }
-        if let Ok(r) = client.get(format!("{base_url}/health")).send().await {
-            if r.status().is_success() {
-                return Ok(Gateway {
-                    child,
-                    base_url,
-                    log,
-                });
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
-            let _ = child.start_kill();
-            return Err(format!(
-                "gateway not ready after {} s: {}",
-                args.ready_timeout_secs,
-                log_summary(&log)
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let venv = compare.peer_venv.clone().unwrap_or_else(default_venv);
+    let program = peer.program(&venv);
+    if !program.exists() {
+        return Err(format!(
+            "{} not found (install it with loadtest/peers.sh, or give --peer-venv)",
+            program.display()
+        ));
     }
-}
-
-impl Gateway {
-    async fn stop(mut self) {
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
-    }
-}
-
-/// Describe the workload in one sentence.
-pub fn describe_workload(w: &WorkloadSpec, requests: usize) -> String {
-    match w.workload {
-        WorkloadKind::MultiTurn => format!(
-            "multi-turn chat: {} sessions × {} turns, each session on one of {} shared system \
-             prompts of ~{} tokens, {}-token questions, {} output tokens, seed {} → {} requests",
-            w.sessions,
-            w.turns,
-            w.prefixes,
-            w.prefix_tokens,
-            w.user_tokens,
-            w.max_tokens,
-            w.seed,
-            requests
-        ),
-        WorkloadKind::FewShot => format!(
-            "few-shot: {} requests, each one of {} templates of ~{} tokens + a unique {}-token \
-             question, {} output tokens, seed {}",
-            requests, w.prefixes, w.prefix_tokens, w.user_tokens, w.max_tokens, w.seed
-        ),
-        WorkloadKind::Unique => format!(
-            "unique prompts: {} requests of {} unrelated tokens, {} output tokens, seed {}",
-            requests, w.user_tokens, w.max_tokens, w.seed
-        ),
-    }
-}
-
-fn describe_fleet(sim: &SimArgs) -> String {
-    format!(
-        "{} simulated replicas, cache {} blocks × {} tokens each, at most {} running (others \
-         wait), prefill {} µs per uncached token, decode {} µs per output token",
-        sim.replicas,
-        sim.cache_blocks,
-        sim.block_size,
-        sim.max_running,
-        sim.prefill_us_per_token,
-        sim.decode_us_per_token
-    )
+    let port = free_port(&[]).map_err(|e| format!("picking a port: {e}"))?;
+    let aux = free_port(&[port]).map_err(|e| format!("picking a port: {e}"))?;
+    let mut args = peer.args(port, aux, workers);
+    args.extend(compare.peer_args.iter().cloned());
+    gateway::start(Launch {
+        program: &program,
+        args,
+        port,
+        ready: peer.readiness(workers.len()),
+        log: workdir.join(format!("gateway-{strategy}.log")),
+        ready_timeout: Duration::from_secs_f64(compare.ready_timeout_secs),
+    })
+    .await
 }
 
 /// Run one strategy on a fresh fleet.
 pub async fn run_strategy(
     strategy: &str,
-    sessions: Arc<Vec<crate::load::workload::Session>>,
+    sessions: Arc<Vec<Session>>,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    compare: &CompareArgs,
+    seed: u64,
+    workdir: &Path,
+) -> Result<StrategyReport, CompareError> {
+    run_strategy_traced(
+        strategy, None, sessions, sim, driver, compare, seed, workdir,
+    )
+    .await
+}
+
+/// [`run_strategy`], writing the trace (if `--trace-dir`) under `trace_name` instead of the
+/// strategy's name.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_strategy_traced(
+    strategy: &str,
+    trace_name: Option<&str>,
+    sessions: Arc<Vec<Session>>,
     sim: &SimArgs,
     driver: &DriverArgs,
     compare: &CompareArgs,
@@ -389,37 +355,37 @@ pub async fn run_strategy(
         strategy: strategy.to_string(),
         reason,
     };
-    let (dispatch, gateway) = match strategy {
-        "direct_round_robin" => (Dispatch::RoundRobin(urls.clone()), None),
-        "direct_session_hash" => (Dispatch::SessionHash(urls.clone()), None),
-        _ => {
-            let routes = workdir.join(format!("routes-{strategy}.toml"));
-            let toml = routes_toml_with(
-                &fleet,
-                strategy,
-                &driver.request_model,
-                &compare.upstream_model,
-                &compare.route_options,
-            );
-            std::fs::write(&routes, toml).map_err(|source| CompareError::Write {
-                path: routes.clone(),
-                source,
-            })?;
-            let gw = match start_gateway(compare, strategy, &routes, workdir).await {
-                Ok(gw) => gw,
-                Err(e) => {
-                    fleet.shutdown().await;
-                    return Err(gw_err(e));
-                }
-            };
-            if strategy == "precise_cache_aware"
-                && !fleet
-                    .wait_for_kv_subscribers(1, Duration::from_secs(10))
+    let mut opts = driver.run_options(seed);
+    let (base, count) = split_gateways(strategy);
+    let started = match base {
+        "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),
+        "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), Vec::new())),
+        _ => match parse_peer(base) {
+            Some(peer) => {
+                // Peers route on the served model name, not rolter's route alias.
+                opts.model = sim.model.clone();
+                start_peer(compare, strategy, &peer, &urls, workdir)
                     .await
-            {
-                eprintln!("warning: {strategy}: the gateway did not subscribe to every replica's KV events within 10 s");
+                    .map(|gw| vec![gw])
             }
-            (Dispatch::Single(gw.base_url.clone()), Some(gw))
+            None => start_rolter(&fleet, compare, driver, base, count, workdir).await,
+        }
+        .map(|gws| {
+            let bases: Vec<String> = gws.iter().map(|g| g.base_url.clone()).collect();
+            let dispatch = if bases.len() == 1 {
+                Dispatch::Single(bases[0].clone())
+            } else {
+                // As an L4 balancer in front of independent gateways.
+                Dispatch::Spread(bases)
+            };
+            (dispatch, gws)
+        }),
+    };
+    let (dispatch, gateways) = match started {
+        Ok(x) => x,
+        Err(e) => {
+            fleet.shutdown().await;
+            return Err(gw_err(e));
         }
     };
     let client = reqwest::Client::builder()
@@ -431,25 +397,27 @@ pub async fn run_strategy(
         let before = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
-        let outcome = run(sessions.clone(), dispatch, driver.run_options(seed)).await;
+        let outcome = run(sessions.clone(), dispatch, opts).await;
         let after = scrape_all(&client, &urls)
             .await
             .map_err(CompareError::Metrics)?;
-        driver.write_trace(strategy, &outcome, &sessions)?;
-        Ok(summarize(strategy, &outcome, &before, &after))
+        driver.write_trace(trace_name.unwrap_or(strategy), &outcome, &sessions)?;
+        let mut report = summarize(strategy, &outcome, &before, &after);
+        report.goodput = goodput(&outcome, driver.ttft_slo());
+        Ok(report)
     }
     .await;
-    if let Some(mut gw) = gateway {
-        if let Ok(Some(status)) = gw.child.try_wait() {
+    let failed = result
+        .as_ref()
+        .map(|r: &StrategyReport| r.errors > 0)
+        .unwrap_or(true);
+    for (k, mut gw) in gateways.into_iter().enumerate() {
+        if let Some(status) = gw.exited() {
             eprintln!("   the gateway exited during the run ({status})");
         }
-        let failed = result
-            .as_ref()
-            .map(|r: &StrategyReport| r.errors > 0)
-            .unwrap_or(true);
         if failed {
             let kept = std::env::temp_dir().join(format!(
-                "rolter-load-gateway-{strategy}-{}.log",
+                "rolter-load-gateway-{strategy}-{k}-{}.log",
                 std::process::id()
             ));
             let _ = std::fs::copy(&gw.log, &kept);
@@ -459,6 +427,134 @@ pub async fn run_strategy(
     }
     fleet.shutdown().await;
     result
+}
+
+/// Every run of a comparison, grouped by strategy in list order, and the strategies that could
+/// not run (with why).
+pub struct Rounds {
+    pub runs: Vec<(String, Vec<StrategyReport>)>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Run `rounds` rounds of `strategies` (each round every strategy once, on a fresh fleet, in an
+/// order rotated by one per round). A strategy whose gateway cannot start is skipped from then
+/// on; any other error stops everything.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_rounds(
+    strategies: &[String],
+    rounds: usize,
+    sessions: &Arc<Vec<Session>>,
+    sim: &SimArgs,
+    driver: &DriverArgs,
+    args: &CompareArgs,
+    seed: u64,
+    workdir: &Path,
+) -> Result<Rounds, CompareError> {
+    let n_requests = request_count(sessions);
+    let mut runs: Vec<(String, Vec<StrategyReport>)> =
+        strategies.iter().map(|s| (s.clone(), Vec::new())).collect();
+    let mut skipped: Vec<(String, String)> = Vec::new();
+    for round in 0..rounds {
+        for strategy in round_order(strategies, round) {
+            if skipped.iter().any(|(s, _)| *s == strategy) {
+                continue;
+            }
+            let label = if rounds > 1 {
+                format!("{strategy} (round {}/{rounds})", round + 1)
+            } else {
+                strategy.clone()
+            };
+            eprintln!("== {label}: {n_requests} requests");
+            let trace_name = format!("{strategy}.r{}", round + 1);
+            let r = match run_strategy_traced(
+                &strategy,
+                (rounds > 1).then_some(trace_name.as_str()),
+                sessions.clone(),
+                sim,
+                driver,
+                args,
+                seed,
+                workdir,
+            )
+            .await
+            {
+                Ok(r) => r,
+                // A gateway that rejects a strategy (not implemented yet, peer not installed)
+                // skips that row only.
+                Err(CompareError::Gateway { strategy, reason }) => {
+                    eprintln!("   skipped: {reason}");
+                    skipped.push((strategy, reason));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            eprintln!(
+                "   hit rate {:.1}%, TTFT p50 {:.0} ms, e2e p50 {:.0} ms, {:.1} req/s \
+                 (goodput {:.1}), errors {}{}",
+                r.hit_rate * 100.0,
+                r.ttft_ms.p50,
+                r.e2e_ms.p50,
+                r.throughput,
+                r.goodput,
+                r.errors,
+                r.error_samples
+                    .first()
+                    .map(|e| format!(" (e.g. {e})"))
+                    .unwrap_or_default()
+            );
+            if let Some((_, v)) = runs.iter_mut().find(|(s, _)| *s == strategy) {
+                v.push(r);
+            }
+        }
+    }
+    runs.retain(|(_, v)| !v.is_empty());
+    Ok(Rounds { runs, skipped })
+}
+
+/// Every run of `runs` with its number appended to its strategy's name (`cache_aware #2`).
+pub fn numbered_runs(runs: &[(String, Vec<StrategyReport>)]) -> Vec<StrategyReport> {
+    runs.iter()
+        .flat_map(|(_, v)| v.iter().enumerate())
+        .map(|(i, r)| StrategyReport {
+            strategy: format!("{} #{}", r.strategy, i + 1),
+            ..r.clone()
+        })
+        .collect()
+}
+
+/// A scratch directory for routing files and gateway logs, unique to this process.
+pub fn workdir() -> Result<PathBuf, CompareError> {
+    let dir = std::env::temp_dir().join(format!("rolter-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|source| CompareError::Write {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+/// Write the markdown to `out` and the JSON beside it (`.json`).
+pub fn write_report(out: &Path, md: &str, json: &serde_json::Value) -> Result<(), CompareError> {
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| CompareError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    std::fs::write(out, md).map_err(|source| CompareError::Write {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let json_path = out.with_extension("json");
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(json).unwrap_or_default(),
+    )
+    .map_err(|source| CompareError::Write {
+        path: json_path.clone(),
+        source,
+    })?;
+    eprintln!("wrote {} and {}", out.display(), json_path.display());
+    Ok(())
 }
 
 /// Run the whole comparison and write the report; returns the markdown.
@@ -471,115 +567,87 @@ pub async fn compare(
     let sessions = Arc::new(generate(workload));
     let n_requests = request_count(&sessions);
     let bound = upper_bound(&sessions, sim.block_size);
-    let workdir = std::env::temp_dir().join(format!("rolter-load-{}", std::process::id()));
-    std::fs::create_dir_all(&workdir).map_err(|source| CompareError::Write {
-        path: workdir.clone(),
-        source,
-    })?;
-    let mut reports = Vec::new();
-    let mut skipped = Vec::new();
-    for strategy in &args.strategies {
-        eprintln!("== {strategy}: {n_requests} requests");
-        let r = match run_strategy(
-            strategy,
-            sessions.clone(),
-            sim,
-            driver,
-            args,
-            workload.seed,
-            &workdir,
+    let workdir = workdir()?;
+    let rounds = args.repeats.max(1);
+    let strategies = with_gateway_twins(&args.strategies, args.gateways);
+    let Rounds { runs, skipped } = run_rounds(
+        &strategies,
+        rounds,
+        &sessions,
+        sim,
+        driver,
+        args,
+        workload.seed,
+        &workdir,
+    )
+    .await?;
+    let (mut md, json_rows) = if rounds == 1 {
+        let reports: Vec<StrategyReport> = runs.into_iter().flat_map(|(_, v)| v).collect();
+        let md = render(workload, sim, driver, &reports, bound, n_requests);
+        (md, serde_json::json!({ "strategies": reports }))
+    } else {
+        let summaries: Vec<StrategySummary> =
+            runs.iter().map(|(s, v)| summarize_runs(s, v)).collect();
+        let all = numbered_runs(&runs);
+        let md = render_repeats(workload, sim, driver, &summaries, &all, bound, n_requests);
+        (
+            md,
+            serde_json::json!({ "repeats": rounds, "strategies": summaries, "runs": all }),
         )
-        .await
-        {
-            Ok(r) => r,
-            // A gateway that rejects a strategy (not implemented yet) skips that row only.
-            Err(CompareError::Gateway { strategy, reason }) => {
-                eprintln!("   skipped: {reason}");
-                skipped.push((strategy, reason));
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        eprintln!(
-            "   hit rate {:.1}%, e2e p50 {:.0} ms, {:.1} req/s, errors {}{}",
-            r.hit_rate * 100.0,
-            r.e2e_ms.p50,
-            r.throughput,
-            r.errors,
-            r.error_samples
-                .first()
-                .map(|e| format!(" (e.g. {e})"))
-                .unwrap_or_default()
-        );
-        reports.push(r);
-    }
-    let mut md = render(workload, sim, driver, &reports, bound, n_requests);
+    };
     for (strategy, reason) in &skipped {
         let _ = writeln!(md, "\nNot run: `{strategy}` ({reason}).");
     }
     let out = args.out.clone().unwrap_or_else(|| {
         PathBuf::from(format!("loadtest/reports/{}.md", workload.workload.name()))
     });
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| CompareError::Write {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    }
-    std::fs::write(&out, &md).map_err(|source| CompareError::Write {
-        path: out.clone(),
-        source,
-    })?;
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "workload": describe_workload(workload, n_requests),
         "upper_bound_hit_rate": bound.rate(),
-        "strategies": reports,
     });
-    let json_path = out.with_extension("json");
-    std::fs::write(
-        &json_path,
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    )
-    .map_err(|source| CompareError::Write {
-        path: json_path.clone(),
-        source,
-    })?;
-    eprintln!("wrote {} and {}", out.display(), json_path.display());
+    if let (Some(o), serde_json::Value::Object(rows)) = (json.as_object_mut(), json_rows) {
+        o.extend(rows);
+    }
+    write_report(&out, &md, &json)?;
     let _ = std::fs::remove_dir_all(&workdir);
     Ok(md)
 }
 
-/// The report document.
-pub fn render(
-    workload: &WorkloadSpec,
-    sim: &SimArgs,
-    driver: &DriverArgs,
-    reports: &[StrategyReport],
-    bound: HitCount,
-    n_requests: usize,
-) -> String {
-    let mut s = format!("# Routing comparison: {}\n\n", workload.workload.name());
-    let _ = writeln!(
-        s,
-        "- Workload: {}.",
-        describe_workload(workload, n_requests)
-    );
-    let _ = writeln!(s, "- Fleet: {}.", describe_fleet(sim));
-    let _ = writeln!(s, "- Load: {}.", driver.describe());
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let _ = writeln!(
-        s,
-        "- Regenerate: `loadtest/run.sh` (this table: `rolter-load {}`).\n",
-        args.join(" ")
-    );
-    s.push_str(&markdown_table(reports, Some(bound)));
-    s.push_str(
-        "\nHit rate: Σ `vllm:prefix_cache_hits_total` / Σ `vllm:prefix_cache_queries_total` \
-         (prompt tokens) over the replicas during the run. *of bound*: that rate divided by the \
-         upper bound, the hit rate of a single replica with an unbounded cache serving the same \
-         trace. Latencies in milliseconds over successful requests; TTFT is the first content \
-         chunk of the streamed response. *requests per replica*: percent of requests each \
-         replica received; *max/mean*: busiest replica over the mean (1.00 = even).\n",
-    );
-    s
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateway_counts_in_strategy_names() {
+        assert_eq!(split_gateways("cache_aware@2"), ("cache_aware", 2));
+        assert_eq!(split_gateways("cache_aware"), ("cache_aware", 1));
+        assert_eq!(split_gateways("cache_aware@x"), ("cache_aware@x", 1));
+        assert_eq!(split_gateways("cache_aware@0"), ("cache_aware@0", 1));
+    }
+
+    #[test]
+    fn gateways_flag_adds_a_twin_after_each_rolter_strategy() {
+        let s: Vec<String> = [
+            "cache_aware",
+            "smg_cache_aware",
+            "direct_round_robin",
+            "pipeline",
+            "precise_cache_aware@3",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(with_gateway_twins(&s, 1), s);
+        assert_eq!(
+            with_gateway_twins(&s, 2),
+            [
+                "cache_aware",
+                "cache_aware@2",
+                "smg_cache_aware",
+                "direct_round_robin",
+                "pipeline",
+                "pipeline@2",
+                "precise_cache_aware@3",
+            ]
+        );
+    }
 }

@@ -2,11 +2,21 @@
 //!
 //! `workload` says what to send, `runner` sends it, `scrape` reads the replicas' counters,
 //! `report` turns a run into numbers and markdown, `upper_bound` computes the best possible hit
-//! rate of a workload, and `compare` runs every strategy through the gateway.
+//! rate of a workload, and `compare` runs every strategy through the gateway (`gateway` starts
+//! the processes, `peer` knows the other gateways, `repeats` folds repeated runs into medians,
+//! `routes` writes the routing files, `document` the reports' text); `sweep` repeats the
+//! comparison at rising open-loop rates (goodput); `trace_summary` reads `--trace-dir` traces.
 
 pub mod compare;
+pub mod document;
+pub mod gateway;
+pub mod peer;
+pub mod repeats;
 pub mod report;
+pub mod routes;
 pub mod runner;
 pub mod scrape;
+pub mod sweep;
+pub mod trace_summary;
 pub mod upper_bound;
 pub mod workload;

@@ -52,6 +52,9 @@ pub struct StrategyReport {
     pub e2e_ms: Percentiles,
     /// Successful requests per second of wall time.
     pub throughput: f64,
+    /// Successful requests with TTFT within the run's objective, per second of wall time (0
+    /// unless the caller sets it: see [`goodput`]).
+    pub goodput: f64,
     /// Each replica's fraction of the requests it received.
     pub shares: Vec<f64>,
     /// Busiest replica's requests over the mean (1.0 = perfectly even).
@@ -103,10 +106,26 @@ pub fn summarize(
         } else {
             0.0
         },
+        goodput: 0.0,
         shares,
         max_over_mean: if mean > 0.0 { max / mean } else { 0.0 },
         wall_s: wall,
         error_samples,
+    }
+}
+
+/// Goodput: successful requests whose TTFT is at most `slo`, per second of the run's wall time.
+pub fn goodput(run: &RunOutcome, slo: Duration) -> f64 {
+    let wall = run.wall.as_secs_f64();
+    let good = run
+        .requests
+        .iter()
+        .filter(|r| r.ok && r.ttft.is_some_and(|t| t <= slo))
+        .count();
+    if wall > 0.0 {
+        good as f64 / wall
+    } else {
+        0.0
     }
 }
 
@@ -185,6 +204,7 @@ mod tests {
         let req = |ok: bool, e2e: u64| RequestOutcome {
             session: 0,
             turn: 0,
+            call: 0,
             ok,
             error: (!ok).then(|| "HTTP 503".to_string()),
             ttft: ok.then(|| ms(e2e / 2)),
@@ -211,6 +231,10 @@ mod tests {
         assert_eq!(r.shares, vec![1.0 / 3.0, 2.0 / 3.0]);
         assert!((r.max_over_mean - 2.0 / 1.5).abs() < 1e-9);
         assert_eq!(r.throughput, 2.0);
+        // TTFTs are 5 and 10 ms; the failed request never counts.
+        assert_eq!(goodput(&run, ms(5)), 1.0);
+        assert_eq!(goodput(&run, ms(10)), 2.0);
+        assert_eq!(goodput(&run, ms(4)), 0.0);
         assert_eq!(r.e2e_ms.p50, 10.0);
         assert_eq!(r.error_samples, vec!["HTTP 503".to_string()]);
         let t = markdown_table(

@@ -6,7 +6,8 @@
 //! `x-rolter-vllm-token-ids`), and measuring TTFT (first content chunk) and end-to-end latency
 //! (through `data: [DONE]`). A session's turns are always sequential: turn t+1 is sent after
 //! turn t's reply arrived, with that reply in its history (falling back to the reply every
-//! replica would generate if the request failed), after an optional think time. Every run is
+//! replica would generate if the request failed), after an optional think time. A turn that
+//! fans out (agentic) sends its calls at once and goes on when all answered. Every run is
 //! bounded by a deadline.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,7 +30,7 @@ pub enum Mode {
     /// `clients` concurrent clients, each running whole sessions back to back.
     Closed { clients: usize },
     /// Sessions start at Poisson arrivals so that requests arrive at about `rate` per second
-    /// (session rate = rate / mean turns per session).
+    /// (session rate = rate / mean requests per session).
     Open { rate: f64 },
 }
 
@@ -42,7 +43,13 @@ pub enum Dispatch {
     RoundRobin(Vec<String>),
     /// Client-side session stickiness: session i always goes to replica hash(i) mod N.
     SessionHash(Vec<String>),
+    /// Each request to one of the URLs at random (an L4 balancer in front of several
+    /// gateways); the sequence of picks is fixed (a hash of the request's number).
+    Spread(Vec<String>),
 }
+
+/// Mixed into [`Dispatch::Spread`]'s hash so its picks are not those of `SessionHash`.
+const SPREAD_SALT: u64 = 0x6c34_6261_6c61_6e63;
 
 impl Dispatch {
     fn url(&self, session: usize, counter: &AtomicUsize) -> &str {
@@ -51,6 +58,10 @@ impl Dispatch {
             Dispatch::RoundRobin(us) => &us[counter.fetch_add(1, Ordering::Relaxed) % us.len()],
             Dispatch::SessionHash(us) => {
                 &us[(tokenizer::splitmix64(session as u64) % us.len() as u64) as usize]
+            }
+            Dispatch::Spread(us) => {
+                let n = counter.fetch_add(1, Ordering::Relaxed) as u64;
+                &us[(tokenizer::splitmix64(n ^ SPREAD_SALT) % us.len() as u64) as usize]
             }
         }
     }
@@ -94,6 +105,8 @@ impl Default for RunOptions {
 pub struct RequestOutcome {
     pub session: usize,
     pub turn: usize,
+    /// Which of the turn's parallel calls (0 unless the turn fans out).
+    pub call: usize,
     pub ok: bool,
     pub error: Option<String>,
     /// Time to the first content chunk.
@@ -165,9 +178,9 @@ pub async fn run(sessions: Arc<Vec<Session>>, dispatch: Dispatch, opts: RunOptio
             }
         }
         Mode::Open { rate } => {
-            let turns: usize = shared.sessions.iter().map(|s| s.user_turns.len()).sum();
-            let mean_turns = turns as f64 / n.max(1) as f64;
-            let session_rate = (rate / mean_turns.max(1.0)).max(1e-6);
+            let requests: usize = shared.sessions.iter().map(|s| s.requests()).sum();
+            let mean_requests = requests as f64 / n.max(1) as f64;
+            let session_rate = (rate / mean_requests.max(1.0)).max(1e-6);
             let mut rng = StdRng::seed_from_u64(shared.opts.seed);
             let mut at = start;
             for i in 0..n {
@@ -205,53 +218,76 @@ async fn run_session(shared: &Shared, i: usize) {
         if Instant::now() >= shared.deadline {
             return;
         }
-        let messages = session.messages(t, &replies);
-        let tokens = tokenizer::chat_tokens(&messages);
-        let url = format!(
-            "{}/v1/chat/completions",
-            shared.dispatch.url(i, &shared.rr).trim_end_matches('/')
-        );
-        let body = json!({
-            "model": shared.opts.model,
-            "messages": messages.iter()
-                .map(|m| json!({"role": m.role, "content": m.content}))
-                .collect::<Vec<_>>(),
-            "max_tokens": session.max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        let mut req = shared.client.post(&url).json(&body);
-        if shared.opts.send_session_id {
-            req = req.header("x-session-id", &session.id);
+        // A fanned-out turn sends its calls at once; the history goes on with call 0's reply.
+        let calls = (0..session.calls_at(t)).map(|c| send_call(shared, i, t, c, &replies));
+        let done = futures_util::future::join_all(calls).await;
+        let mut out = shared.out.lock();
+        for (call, (outcome, text)) in done.into_iter().enumerate() {
+            if call == 0 {
+                replies.push(text);
+            }
+            out.push(outcome);
         }
-        if shared.opts.send_token_ids {
-            req = req.header(
-                "x-rolter-vllm-token-ids",
-                tokenizer::token_header_value(&tokens),
-            );
-        }
-        let started = Instant::now();
-        let result = send_streaming(req, started).await;
-        let e2e = started.elapsed();
-        let (ok, error, ttft, text, meta) = match result {
-            Ok(s) => (true, None, s.ttft, Some(s.text), s.meta),
-            Err(e) => (false, Some(e), None, None, StreamMeta::default()),
-        };
-        let text = text.unwrap_or_else(|| tokenizer::reply(&tokens, session.max_tokens).0);
-        replies.push(text);
-        shared.out.lock().push(RequestOutcome {
-            session: i,
-            turn: t,
-            ok,
-            error,
-            ttft,
-            e2e,
-            prompt_tokens: tokens.len(),
-            replica: meta.replica,
-            cached_tokens: meta.cached_tokens,
-            sent_at: started.duration_since(shared.start),
-        });
     }
+}
+
+/// Send call `call` of turn `t` of session `i`; its outcome and the reply text (the reply
+/// every replica would generate if the request failed).
+async fn send_call(
+    shared: &Shared,
+    i: usize,
+    t: usize,
+    call: usize,
+    replies: &[String],
+) -> (RequestOutcome, String) {
+    let session = &shared.sessions[i];
+    let messages = session.call_messages(t, call, replies);
+    let tokens = tokenizer::chat_tokens(&messages);
+    let url = format!(
+        "{}/v1/chat/completions",
+        shared.dispatch.url(i, &shared.rr).trim_end_matches('/')
+    );
+    let body = json!({
+        "model": shared.opts.model,
+        "messages": messages.iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect::<Vec<_>>(),
+        "max_tokens": session.max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let mut req = shared.client.post(&url).json(&body);
+    if shared.opts.send_session_id {
+        req = req.header("x-session-id", &session.id);
+    }
+    if shared.opts.send_token_ids {
+        req = req.header(
+            "x-rolter-vllm-token-ids",
+            tokenizer::token_header_value(&tokens),
+        );
+    }
+    let started = Instant::now();
+    let result = send_streaming(req, started).await;
+    let e2e = started.elapsed();
+    let (ok, error, ttft, text, meta) = match result {
+        Ok(s) => (true, None, s.ttft, Some(s.text), s.meta),
+        Err(e) => (false, Some(e), None, None, StreamMeta::default()),
+    };
+    let text = text.unwrap_or_else(|| tokenizer::reply(&tokens, session.max_tokens).0);
+    let outcome = RequestOutcome {
+        session: i,
+        turn: t,
+        call,
+        ok,
+        error,
+        ttft,
+        e2e,
+        prompt_tokens: tokens.len(),
+        replica: meta.replica,
+        cached_tokens: meta.cached_tokens,
+        sent_at: started.duration_since(shared.start),
+    };
+    (outcome, text)
 }
 
 /// What the stream told about where and how a request was served.
@@ -358,6 +394,7 @@ pub fn write_trace(
             "session": r.session,
             "system": system,
             "turn": r.turn,
+            "call": r.call,
             "replica": r.replica,
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
@@ -377,6 +414,18 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spread_uses_every_url_about_evenly_and_not_in_turn() {
+        let urls: Vec<String> = (0..2).map(|i| format!("http://g{i}")).collect();
+        let d = Dispatch::Spread(urls);
+        let counter = AtomicUsize::new(0);
+        let picks: Vec<&str> = (0..1000).map(|_| d.url(0, &counter)).collect();
+        let first = picks.iter().filter(|&&u| u == "http://g0").count();
+        assert!((430..=570).contains(&first), "{first} of 1000 to g0");
+        // Random, not alternating: some consecutive requests go to the same gateway.
+        assert!(picks.windows(2).filter(|w| w[0] == w[1]).count() > 300);
+    }
 
     #[test]
     fn replica_index_from_simulator_ids() {

@@ -35,16 +35,20 @@ pub fn upper_bound(sessions: &[Session], block_size: usize) -> HitCount {
     for s in sessions {
         let mut replies = Vec::with_capacity(s.user_turns.len());
         for t in 0..s.user_turns.len() {
-            let prompt = tokenizer::chat_tokens(&s.messages(t, &replies));
-            let mut adm = cache.admit(&prompt);
-            count.queries += prompt.len() as u64;
-            count.hits += adm.hit_tokens as u64;
-            let (text, out) = tokenizer::reply(&prompt, s.max_tokens.max(1));
-            let mut all = prompt;
-            all.extend_from_slice(&out);
-            cache.extend(&mut adm.lease, &all);
-            cache.release(adm.lease);
-            replies.push(text);
+            let mut first_reply = None;
+            for call in 0..s.calls_at(t) {
+                let prompt = tokenizer::chat_tokens(&s.call_messages(t, call, &replies));
+                let mut adm = cache.admit(&prompt);
+                count.queries += prompt.len() as u64;
+                count.hits += adm.hit_tokens as u64;
+                let (text, out) = tokenizer::reply(&prompt, s.max_tokens.max(1));
+                let mut all = prompt;
+                all.extend_from_slice(&out);
+                cache.extend(&mut adm.lease, &all);
+                cache.release(adm.lease);
+                first_reply.get_or_insert(text);
+            }
+            replies.push(first_reply.unwrap_or_default());
         }
     }
     count
