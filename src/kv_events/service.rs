@@ -73,6 +73,7 @@ impl BackgroundService for KvEventService {
                 cfg.bind = entry.spec.bind;
                 cfg.replay_endpoint = entry.spec.replay_endpoint.clone();
                 cfg.staleness_limit = Duration::from_millis(entry.spec.staleness_ms);
+                cfg.max_message_bytes = entry.spec.max_message_bytes;
                 let sub = KvEventSubscriber::new(
                     cfg,
                     entry.state.index.clone(),
