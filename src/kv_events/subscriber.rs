@@ -664,9 +664,9 @@ mod tests {
     use super::*;
     use parking_lot::Mutex;
     use rmpv::Value;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::LazyLock;
-    use tokio::sync::{oneshot, Notify};
+    use tokio::sync::oneshot;
     use tokio::task::JoinHandle;
 
     const TOPIC: &str = "kv@test";
@@ -740,8 +740,8 @@ mod tests {
         pub_endpoint: String,
         replay_endpoint: String,
         buffer: ReplayBuffer,
-        /// Notified when a replay request arrives.
-        requested: Arc<Notify>,
+        /// Replay requests received.
+        requested: Arc<AtomicUsize>,
         /// When set, the ROUTER waits for this before answering.
         gate: Arc<Mutex<Option<std::sync::mpsc::Receiver<()>>>>,
         /// Stops the ROUTER thread (which then closes the socket).
@@ -768,7 +768,7 @@ mod tests {
             let (pub_sock, pub_endpoint) = bound(zmq::PUB, pub_ep);
             let (router, replay_endpoint) = bound(zmq::ROUTER, replay_ep);
             let buffer: ReplayBuffer = Arc::default();
-            let requested = Arc::new(Notify::new());
+            let requested = Arc::new(AtomicUsize::new(0));
             let gate: Arc<Mutex<Option<std::sync::mpsc::Receiver<()>>>> = Arc::default();
             let stop = Arc::new(AtomicBool::new(false));
             let (buf, req, g, st) = (
@@ -785,7 +785,7 @@ mod tests {
                     let frames = router.recv_multipart(0).unwrap();
                     let id = frames[0].clone();
                     let start = u64::from_be_bytes(frames[2][..].try_into().unwrap());
-                    req.notify_one();
+                    req.fetch_add(1, Ordering::AcqRel);
                     let gate = g.lock().take();
                     if let Some(gate) = gate {
                         let _ = gate.recv();
@@ -889,13 +889,15 @@ mod tests {
             // the test has seen the target go untrusted.
             let (go, gate) = std::sync::mpsc::channel();
             *p.gate.lock() = Some(gate);
+            let requests = p.requested.load(Ordering::Acquire);
             p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], true)
                 .await;
             p.publish(2, vec![stored(&[4], Some(3), &tokens(3))], false)
                 .await;
-            tokio::time::timeout(WAIT, p.requested.notified())
-                .await
-                .expect("replay requested");
+            wait_until("replay requested", || {
+                p.requested.load(Ordering::Acquire) > requests
+            })
+            .await;
             assert!(!state.is_trusted(), "a gap makes the target untrusted");
             go.send(()).unwrap();
 
@@ -971,6 +973,81 @@ mod tests {
             wait_until("trusted again", || state.is_trusted()).await;
             assert_eq!(index.match_blocks(&t, BS as usize), 2);
 
+            stop.send(()).unwrap();
+            handle.await.unwrap();
+        })
+        .await
+        .expect("test bounded in time");
+    }
+
+    /// Issue #20 item 9: a freshly started subscriber learns the publisher's ring at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_first_connect_replays_what_the_publisher_already_published() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let mut p = Publisher::start().await;
+            let t = prompt(4);
+            // Published before anyone subscribed: the PUB socket sends them to nobody.
+            p.publish(0, vec![stored(&[1, 2], None, &t[..8])], false)
+                .await;
+            p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], false)
+                .await;
+            p.publish(2, vec![stored(&[4], Some(3), &tokens(3))], false)
+                .await;
+            let (index, state, stop, handle) = start(config(&p, true)).await;
+            wait_until("the ring replayed", || index.block_count() == 4).await;
+            assert_eq!(index.match_blocks(&t, BS as usize), 4);
+            let s = state.snapshot();
+            assert_eq!((s.replays_ok, s.gaps, s.rebuilds), (1, 0, 0));
+            assert_eq!(s.last_seq, Some(2));
+            assert!(state.is_trusted());
+            // The live stream continues in order from there.
+            p.publish(3, vec![stored(&[5], Some(4), &tokens(4))], false)
+                .await;
+            wait_until("next batch", || index.block_count() == 5).await;
+            assert_eq!(state.snapshot().gaps, 0);
+            stop.send(()).unwrap();
+            handle.await.unwrap();
+        })
+        .await
+        .expect("test bounded in time");
+    }
+
+    /// Issue #20 item 11: a publisher that comes back (sequence from 0) after longer than
+    /// the probe interval is counted as a restart, not only as failed replays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restart_slower_than_the_probe_interval_is_counted() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let mut p = Publisher::start().await;
+            let mut cfg = config(&p, true);
+            cfg.probe_interval = Some(Duration::from_millis(200));
+            cfg.connect_timeout = Duration::from_millis(300);
+            cfg.replay_timeout = Duration::from_millis(300);
+            cfg.backoff_initial = Duration::from_millis(50);
+            cfg.backoff_max = Duration::from_millis(200);
+            let (index, state, stop, handle) = start(cfg).await;
+            let t = prompt(4);
+            p.publish(0, vec![stored(&[1, 2], None, &t[..8])], false)
+                .await;
+            p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], false)
+                .await;
+            wait_until("batches applied", || index.block_count() == 3).await;
+
+            // The publisher goes away for several probe intervals.
+            let (pub_ep, replay_ep) = (p.pub_endpoint.clone(), p.replay_endpoint.clone());
+            drop(p);
+            wait_until("a probe failed", || state.snapshot().replays_failed >= 1).await;
+            assert!(!state.is_connected());
+            assert_eq!(state.snapshot().restarts, 0);
+
+            // It comes back with a fresh sequence and other content.
+            let mut p = Publisher::start_on(&pub_ep, &replay_ep);
+            p.publish(0, vec![stored(&[9], None, &tokens(7))], true)
+                .await;
+            wait_until("restart counted", || state.snapshot().restarts == 1).await;
+            wait_until("rebuilt from the new ring", || index.block_count() == 1).await;
+            assert_eq!(index.match_blocks(&t, BS as usize), 0);
+            assert_eq!(index.match_blocks(&tokens(7), BS as usize), 1);
+            wait_until("trusted", || state.is_trusted()).await;
             stop.send(()).unwrap();
             handle.await.unwrap();
         })
