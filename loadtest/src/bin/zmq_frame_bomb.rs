@@ -1,5 +1,6 @@
 //! `zmq-frame-bomb`: a hostile ZMQ peer for soak and hardening runs. It completes a ZMTP 3
-//! handshake over raw TCP, sends one frame header declaring 2^50 bytes, and reports whether
+//! handshake over raw TCP, sends one frame header declaring 2^50 bytes (`--declared-bytes`),
+//! and reports whether
 //! the victim closed the connection and (with `--health`) whether the gateway still answers.
 //!
 //! ```text
@@ -29,6 +30,10 @@ struct Args {
     /// Socket type announced in the handshake: PUB against a SUB, ROUTER against a DEALER.
     #[arg(long, default_value = "PUB")]
     socket_type: String,
+    /// Frame length the header declares (default 2^50; any value above the victim's
+    /// max_message_bytes must get the connection closed).
+    #[arg(long, default_value_t = frame_bomb::BOMB_LEN)]
+    declared_bytes: u64,
     /// Exchanges to run (connections accepted, or dials made).
     #[arg(long, default_value_t = 1)]
     count: usize,
@@ -48,12 +53,19 @@ async fn main() -> std::io::Result<()> {
         (Some(addr), _) => {
             let listener = tokio::net::TcpListener::bind(addr).await?;
             eprintln!("zmq-frame-bomb: listening on {}", listener.local_addr()?);
-            frame_bomb::serve(&listener, &args.socket_type, args.count, wait).await?
+            frame_bomb::serve(
+                &listener,
+                &args.socket_type,
+                args.declared_bytes,
+                args.count,
+                wait,
+            )
+            .await?
         }
         (None, Some(addr)) => {
             let mut v = Vec::with_capacity(args.count);
             for _ in 0..args.count {
-                v.push(frame_bomb::dial(addr, &args.socket_type, wait).await?);
+                v.push(frame_bomb::dial(addr, &args.socket_type, args.declared_bytes, wait).await?);
             }
             v
         }

@@ -80,9 +80,15 @@ async fn read_frame(stream: &mut TcpStream) -> std::io::Result<u8> {
     Ok(flags)
 }
 
-/// Handshake as `socket_type` on a connected stream, send the bomb, and wait up to `wait`
-/// for the peer to close. Every step is bounded by `wait`.
-pub async fn bomb(stream: &mut TcpStream, socket_type: &str, wait: Duration) -> Outcome {
+/// Handshake as `socket_type` on a connected stream, send a frame header declaring
+/// `declared` bytes (e.g. [`BOMB_LEN`]), and wait up to `wait` for the peer to close. Every
+/// step is bounded by `wait`.
+pub async fn bomb(
+    stream: &mut TcpStream,
+    socket_type: &str,
+    declared: u64,
+    wait: Duration,
+) -> Outcome {
     let handshake = tokio::time::timeout(wait, async {
         stream.write_all(&greeting()).await?;
         let mut peer = [0u8; GREETING_LEN];
@@ -93,7 +99,7 @@ pub async fn bomb(stream: &mut TcpStream, socket_type: &str, wait: Duration) -> 
         stream.write_all(&ready(socket_type)).await?;
         // The peer's READY (a command frame).
         while read_frame(stream).await? & FLAG_COMMAND == 0 {}
-        stream.write_all(&bomb_header(BOMB_LEN)).await?;
+        stream.write_all(&bomb_header(declared)).await?;
         Ok::<_, std::io::Error>(())
     })
     .await
@@ -127,24 +133,32 @@ pub async fn bomb(stream: &mut TcpStream, socket_type: &str, wait: Duration) -> 
 pub async fn serve(
     listener: &TcpListener,
     socket_type: &str,
+    declared: u64,
     count: usize,
     wait: Duration,
 ) -> std::io::Result<Vec<Outcome>> {
     let mut out = Vec::with_capacity(count);
     for _ in 0..count {
-        let (mut stream, _) = listener.accept().await?;
-        out.push(bomb(&mut stream, socket_type, wait).await);
+        let (mut stream, _) = tokio::time::timeout(wait, listener.accept())
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "accept"))??;
+        out.push(bomb(&mut stream, socket_type, declared, wait).await);
     }
     Ok(out)
 }
 
 /// Dial `addr` (a victim that binds, e.g. a gateway SUB on `tcp://*:port`) and bomb it as
 /// `socket_type`.
-pub async fn dial(addr: &str, socket_type: &str, wait: Duration) -> std::io::Result<Outcome> {
+pub async fn dial(
+    addr: &str,
+    socket_type: &str,
+    declared: u64,
+    wait: Duration,
+) -> std::io::Result<Outcome> {
     let mut stream = tokio::time::timeout(wait, TcpStream::connect(addr))
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect"))??;
-    Ok(bomb(&mut stream, socket_type, wait).await)
+    Ok(bomb(&mut stream, socket_type, declared, wait).await)
 }
 
 #[cfg(test)]
