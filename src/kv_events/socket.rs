@@ -184,13 +184,22 @@ enum Event {
 impl Monitor {
     /// Attach a monitor to `sock` (before it connects or binds, so no event is missed).
     fn attach(sock: &zmq::Socket, bind: bool) -> Result<Monitor, SocketError> {
+        Self::attach_in(&CONTEXT, sock, bind)
+    }
+
+    /// [`Self::attach`] for a socket of context `ctx`.
+    fn attach_in(
+        ctx: &zmq::Context,
+        sock: &zmq::Socket,
+        bind: bool,
+    ) -> Result<Monitor, SocketError> {
         let endpoint = format!(
             "inproc://rolter-kv-monitor-{}",
             MONITOR_ID.fetch_add(1, Ordering::Relaxed)
         );
         let events = zmq_sys_events::WANTED;
         sock.monitor(&endpoint, events)?;
-        let pair = CONTEXT.socket(zmq::PAIR)?;
+        let pair = ctx.socket(zmq::PAIR)?;
         pair.set_linger(0)?;
         pair.connect(&endpoint)?;
         Ok(Monitor {
@@ -201,6 +210,21 @@ impl Monitor {
             dropped_at: None,
             reported: false,
         })
+    }
+
+    /// Stop `sock` reporting to this monitor. Must run before `sock` is closed: libzmq
+    /// stops a monitor only when the closed socket is finally destroyed, and events of
+    /// the teardown in between are sent (blocking, from the shared I/O thread) to a
+    /// monitor socket whose reader is gone, which stalls every socket of the context.
+    /// Re-monitoring with no events is the public API's way to silence it.
+    fn detach(sock: &zmq::Socket) {
+        let endpoint = format!(
+            "inproc://rolter-kv-monitor-off-{}",
+            MONITOR_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        if let Err(e) = sock.monitor(&endpoint, 0) {
+            log::warn!("kv_events: cannot detach a socket monitor: {e}");
+        }
     }
 
     /// Read every pending event; `out` gets what the stream must know.
@@ -298,8 +322,15 @@ pub struct LiveConfig {
 
 /// The live SUB socket, read on its own thread (see the module header). Dropping it
 /// stops the thread, which closes the socket within [`POLL_INTERVAL`].
+///
+/// Connection reports travel apart from messages, on an unbounded channel: the thread
+/// must keep reading the socket monitor even while the message queue is full, because
+/// libzmq sends monitor events blocking from its I/O thread, and a monitor left unread
+/// past its high-water mark would stall every socket of the process. A report is a few
+/// bytes; there are at most a few per connection attempt.
 pub struct LiveSocket {
     rx: mpsc::Receiver<Incoming>,
+    reports: mpsc::UnboundedReceiver<Incoming>,
     queued: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -315,37 +346,46 @@ impl LiveSocket {
         sub.set_rcvhwm(SUB_RCVHWM)?;
         sub.set_subscribe(cfg.topic.as_bytes())?;
         let monitor = Monitor::attach(&sub, cfg.bind)?;
-        if cfg.bind {
-            sub.bind(&cfg.endpoint)?;
-        } else {
-            sub.connect(&cfg.endpoint)?;
-        }
         let (tx, rx) = mpsc::channel(LIVE_CHANNEL_DEPTH);
+        let (reports_tx, reports) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        // From here on the reader owns the socket: its Drop detaches the monitor before
+        // the socket closes, on every path (a failed bind included).
         let reader = Reader {
             sub,
             monitor,
             tx,
+            reports: reports_tx,
             queued: queued.clone(),
             stop: stop.clone(),
             endpoint: cfg.endpoint.clone(),
         };
+        if cfg.bind {
+            reader.sub.bind(&cfg.endpoint)?;
+        } else {
+            reader.sub.connect(&cfg.endpoint)?;
+        }
         let thread = std::thread::Builder::new()
             .name("kv-events-sub".into())
             .spawn(move || reader.run())?;
         Ok(LiveSocket {
             rx,
+            reports,
             queued,
             stop,
             thread: Some(thread),
         })
     }
 
-    /// The next report; `None` when the socket ended (a protocol violation on a
-    /// connecting socket, or a socket error): open a new one.
+    /// The next report (connection reports first); `None` when the socket ended (a
+    /// protocol violation on a connecting socket, or a socket error): open a new one.
     pub async fn recv(&mut self) -> Option<Incoming> {
-        let msg = self.rx.recv().await?;
+        let msg = tokio::select! {
+            biased;
+            Some(report) = self.reports.recv() => return Some(report),
+            msg = self.rx.recv() => msg?,
+        };
         if let Incoming::Message(frames) = &msg {
             self.queued.fetch_sub(frame_bytes(frames), Ordering::AcqRel);
         }
@@ -392,14 +432,28 @@ fn read_message(sock: &zmq::Socket) -> Result<Option<Vec<Bytes>>, zmq::Error> {
     Ok(Some(frames))
 }
 
+/// Whether the reader thread goes on.
+enum Flow {
+    Continue,
+    /// The receiver is gone, the socket was stopped, or libzmq gave up on the endpoint.
+    End,
+}
+
 /// The SUB's reader thread.
 struct Reader {
     sub: zmq::Socket,
     monitor: Monitor,
     tx: mpsc::Sender<Incoming>,
+    reports: mpsc::UnboundedSender<Incoming>,
     queued: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     endpoint: String,
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        Monitor::detach(&self.sub);
+    }
 }
 
 impl Reader {
@@ -413,55 +467,26 @@ impl Reader {
         self.stop.load(Ordering::Acquire) || self.tx.is_closed()
     }
 
-    /// Forward a report; false when the receiver is gone.
-    fn forward(&self, msg: Incoming) -> bool {
-        self.tx.blocking_send(msg).is_ok()
-    }
-
     fn serve(&mut self) -> Result<(), SocketError> {
-        let mut events = Vec::new();
         while !self.stopped() {
-            let (sub_ready, mon_ready) = {
+            let sub_ready = {
                 let mut items = [
                     self.sub.as_poll_item(zmq::POLLIN),
                     self.monitor.pair.as_poll_item(zmq::POLLIN),
                 ];
                 zmq::poll(&mut items, POLL_INTERVAL.as_millis() as i64)?;
-                (items[0].is_readable(), items[1].is_readable())
+                items[0].is_readable()
             };
-            // Events first: a connection's Up precedes its messages.
-            if mon_ready {
-                self.monitor.drain(&mut events)?;
-                for e in events.drain(..) {
-                    let report = match e {
-                        Event::Up => Incoming::Up,
-                        Event::Down => Incoming::Down {
-                            remaining: self.monitor.open,
-                        },
-                        Event::ProtocolError(why) => Incoming::ProtocolError(why),
-                    };
-                    if !self.forward(report) {
-                        return Ok(());
-                    }
-                }
-            }
-            if let Some(reported) = self.monitor.gave_up(Instant::now()) {
-                if let Some(why) = reported {
-                    self.forward(Incoming::ProtocolError(why));
-                }
-                // libzmq will not dial this endpoint again: end; the owner reopens.
+            if let Flow::End = self.pump_reports()? {
                 return Ok(());
             }
             if sub_ready {
-                // A bounded batch per round, so events and the stop flag stay timely.
+                // A bounded batch per round, so reports and the stop flag stay timely.
                 for _ in 0..256 {
                     let Some(frames) = read_message(&self.sub)? else {
                         break;
                     };
-                    if !self.wait_for_room(frame_bytes(&frames)) {
-                        return Ok(());
-                    }
-                    if !self.forward(Incoming::Message(frames)) {
+                    if let Flow::End = self.forward_message(frames)? {
                         return Ok(());
                     }
                 }
@@ -470,16 +495,56 @@ impl Reader {
         Ok(())
     }
 
-    /// Wait until `n` more bytes fit in the queue's byte budget; false once stopped.
-    fn wait_for_room(&self, n: usize) -> bool {
+    /// Read every pending monitor event and pass its report on (never blocks).
+    fn pump_reports(&mut self) -> Result<Flow, SocketError> {
+        let mut events = Vec::new();
+        self.monitor.drain(&mut events)?;
+        for e in events {
+            let report = match e {
+                Event::Up => Incoming::Up,
+                Event::Down => Incoming::Down {
+                    remaining: self.monitor.open,
+                },
+                Event::ProtocolError(why) => Incoming::ProtocolError(why),
+            };
+            if self.reports.send(report).is_err() {
+                return Ok(Flow::End);
+            }
+        }
+        if let Some(reported) = self.monitor.gave_up(Instant::now()) {
+            if let Some(why) = reported {
+                let _ = self.reports.send(Incoming::ProtocolError(why));
+            }
+            // libzmq will not dial this endpoint again: end; the owner reopens.
+            return Ok(Flow::End);
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Queue one message within the channel's depth and byte budget (one message is
+    /// always let through), reading the monitor while it waits.
+    fn forward_message(&mut self, frames: Vec<Bytes>) -> Result<Flow, SocketError> {
+        let n = frame_bytes(&frames);
+        let mut msg = Incoming::Message(frames);
         loop {
+            if self.stopped() {
+                return Ok(Flow::End);
+            }
             let queued = self.queued.load(Ordering::Acquire);
             if queued == 0 || queued + n <= LIVE_QUEUE_BYTES {
+                // Counted before it can be received (the receiver subtracts it).
                 self.queued.fetch_add(n, Ordering::AcqRel);
-                return true;
+                match self.tx.try_send(msg) {
+                    Ok(()) => return Ok(Flow::Continue),
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Ok(Flow::End),
+                    Err(mpsc::error::TrySendError::Full(m)) => {
+                        self.queued.fetch_sub(n, Ordering::AcqRel);
+                        msg = m;
+                    }
+                }
             }
-            if self.stopped() {
-                return false;
+            if let Flow::End = self.pump_reports()? {
+                return Ok(Flow::End);
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -491,6 +556,12 @@ impl Reader {
 pub struct ReplayDealer {
     dealer: zmq::Socket,
     monitor: Monitor,
+}
+
+impl Drop for ReplayDealer {
+    fn drop(&mut self) {
+        Monitor::detach(&self.dealer);
+    }
 }
 
 impl ReplayDealer {
@@ -598,6 +669,58 @@ impl ReplayDealer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: libzmq sends monitor events blocking, from the context's I/O thread;
+    /// once the reader of a monitor is gone, the next event stalls that thread and with
+    /// it every socket of the context (seen under gdb: a DISCONNECTED event of a socket
+    /// being closed, whose reader thread had ended). `detach` must silence the monitor.
+    /// Re-dial events every 10 ms after the reader left stand in for the teardown's. A
+    /// private context keeps a failure local.
+    #[test]
+    fn a_detached_monitor_leaves_the_io_thread_free() {
+        let ctx = zmq::Context::new();
+        let wait = |sock: &zmq::Socket| sock.poll(zmq::POLLIN, 5_000).unwrap() > 0;
+        let publisher = ctx.socket(zmq::PUB).unwrap();
+        publisher.set_linger(0).unwrap();
+        publisher.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_linger(0).unwrap();
+        sub.set_reconnect_ivl(10).unwrap();
+        sub.set_reconnect_ivl_max(10).unwrap();
+        let mut monitor = Monitor::attach_in(&ctx, &sub, false).unwrap();
+        sub.connect(&endpoint).unwrap();
+        let mut events = Vec::new();
+        while !events.contains(&Event::Up) {
+            assert!(wait(&monitor.pair), "handshake");
+            monitor.drain(&mut events).unwrap();
+        }
+        // The reader goes away first, as when a stream's socket thread ends.
+        Monitor::detach(&sub);
+        drop(monitor);
+        // The publisher leaves: the SUB reports a disconnect, then a re-dial every 10 ms.
+        drop(publisher);
+        std::thread::sleep(Duration::from_millis(300));
+        // The context still serves new sockets.
+        let pub2 = ctx.socket(zmq::PUB).unwrap();
+        pub2.set_linger(0).unwrap();
+        pub2.bind("tcp://127.0.0.1:*").unwrap();
+        let sub2 = ctx.socket(zmq::SUB).unwrap();
+        sub2.set_linger(0).unwrap();
+        sub2.set_subscribe(b"").unwrap();
+        sub2.connect(&pub2.get_last_endpoint().unwrap().unwrap())
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut got = false;
+        while !got && Instant::now() < deadline {
+            pub2.send("x", 0).unwrap();
+            got = sub2.poll(zmq::POLLIN, 20).unwrap() > 0;
+        }
+        assert!(got, "the I/O thread is stalled");
+        drop((sub, sub2, pub2));
+        // Never wait for the context's sockets here (they would hang a failing run).
+        std::mem::forget(ctx);
+    }
 
     #[test]
     fn a_connecting_socket_that_is_not_redialled_reports_one_protocol_error() {

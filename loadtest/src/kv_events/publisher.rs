@@ -254,6 +254,20 @@ struct Task {
     dump: Option<dump::Dump>,
 }
 
+impl Drop for Task {
+    /// Silence the PUB socket's monitor before it closes: libzmq stops a monitor only when
+    /// the closed socket is destroyed, and teardown events sent in between (blocking, from
+    /// the context's I/O thread) to a monitor nobody reads would stall every socket of the
+    /// context. Re-monitoring with no events is the public API's way to silence it.
+    fn drop(&mut self) {
+        let endpoint = format!(
+            "inproc://sim-kv-pub-monitor-off-{}",
+            MONITOR_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        let _ = self.pub_sock.monitor(&endpoint, 0);
+    }
+}
+
 impl Task {
     fn open(
         cfg: PublisherConfig,
