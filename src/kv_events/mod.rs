@@ -4,7 +4,7 @@
 //! SUB/DEALER sockets ([`socket`]) and the client ([`subscriber`]) that feeds each target's
 //! [`crate::prefix::residency::ResidencyIndex`]. It must not make routing decisions
 //! (that is `routing/precise.rs`), register metrics itself (it exposes atomic
-//! counters in [`subscriber::StreamState`] for `metrics.rs` to read) or touch
+//! counters in [`sequence::StreamState`] for `metrics.rs` to read) or touch
 //! config parsing: callers hand it a plain [`subscriber::SubscriberConfig`].
 //! Everything network-facing lives in `socket` and `subscriber` (and `service`, which
 //! keeps one subscriber per configured provider running as a pingora background

@@ -32,6 +32,11 @@
 //! - Frame bounds are per frame. libzmq hands a multipart message over only once its
 //!   last frame arrived, and nothing bounds the frame count of a message still coming
 //!   in; the reader keeps at most [`MAX_FRAMES`] frames of any message it receives.
+//!
+//! libzmq sends monitor events blocking, from the I/O thread all sockets share: a
+//! monitor must be read for as long as its socket lives, and silenced
+//! (`Monitor::detach`) before the socket closes, or one unread event stalls every
+//! socket of the process.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -321,7 +326,7 @@ pub struct LiveConfig {
 }
 
 /// The live SUB socket, read on its own thread (see the module header). Dropping it
-/// stops the thread, which closes the socket within [`POLL_INTERVAL`].
+/// stops the thread, which closes the socket within `POLL_INTERVAL` (50 ms).
 ///
 /// Connection reports travel apart from messages, on an unbounded channel: the thread
 /// must keep reading the socket monitor even while the message queue is full, because

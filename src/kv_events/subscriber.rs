@@ -68,7 +68,7 @@ pub enum SubscribeError {
     /// A reply could not be decoded.
     #[error("decode: {0}")]
     Decode(#[from] DecodeError),
-    /// The replay went past [`MAX_REPLAY_BATCHES`] or [`MAX_REPLAY_BYTES`].
+    /// The replay went past `MAX_REPLAY_BATCHES` or `MAX_REPLAY_BYTES`.
     #[error("replay sent more than {MAX_REPLAY_BATCHES} batches or {MAX_REPLAY_BYTES} bytes")]
     ReplayTooLong,
     /// A blocking replay task ended abnormally.
