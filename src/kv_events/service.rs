@@ -1,7 +1,7 @@
 //! The pingora background service that keeps one [`KvEventSubscriber`] running per
 //! `[providers.kv_events]` of the live route table.
 //!
-//! Reconciles with the table every [`RECONCILE_INTERVAL`]: a provider whose stream
+//! Reconciles with the table every `RECONCILE_INTERVAL` (250 ms): a provider whose stream
 //! settings are unchanged keeps its subscriber (and index) across reloads; a changed
 //! endpoint restarts the subscriber with an emptied index (the old replica's blocks
 //! mean nothing for the new one); a removed provider's subscriber stops. A provider
