@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian machine lacks to build and test rolter:
-#   cmake (pingora's zlib-ng build), a C toolchain, pkg-config, and for the Python
+#   cmake (pingora's zlib-ng build), a C and C++ toolchain (libzmq is built from source by
+#   the zmq crate), pkg-config, and for the Python
 #   interop tests python3 + msgspec, and systemd-analyze (package systemd) for the unit
 #   file check (tests/systemd.rs). Idempotent: installs only what is missing.
 set -euo pipefail
@@ -8,6 +9,7 @@ set -euo pipefail
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
+command -v c++ >/dev/null 2>&1 || need+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip)
 sudo=""

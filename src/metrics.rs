@@ -296,6 +296,8 @@ pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
         &st.stale,
         &st.connects,
         &st.evictions,
+        &st.protocol_errors,
+        &st.disconnects,
     ];
     for (kind, value) in KV_STREAM_KINDS.iter().zip(values) {
         catch_up(
@@ -315,7 +317,7 @@ pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
 }
 
 /// The `kind` labels of `rolter_kv_stream_total`, in [`export_kv_stream`]'s order.
-const KV_STREAM_KINDS: [&str; 13] = [
+const KV_STREAM_KINDS: [&str; 15] = [
     "batches",
     "block_stored",
     "block_removed",
@@ -329,6 +331,8 @@ const KV_STREAM_KINDS: [&str; 13] = [
     "stale",
     "connects",
     "evictions",
+    "protocol_errors",
+    "disconnects",
 ];
 
 /// Held while a scrape mirrors live sources into the registry (`catch_up` reads a counter

@@ -99,6 +99,8 @@ pub struct KvSpec {
     pub replay_endpoint: Option<String>,
     /// Staleness limit.
     pub staleness_ms: u64,
+    /// Largest inbound ZMQ frame.
+    pub max_message_bytes: u64,
 }
 
 /// A model alias with its strategy and targets.
@@ -230,6 +232,7 @@ impl RouteTable {
                             .map(|r| resolve("kv_events.replay_endpoint", r))
                             .transpose()?,
                         staleness_ms: k.staleness_ms,
+                        max_message_bytes: k.max_message_bytes,
                     })
                 }
             };

@@ -13,7 +13,6 @@ use rolter_loadtest::replica::{HttpFault, LmcacheFault};
 use rolter_loadtest::tokenizer::{self, ChatMessage};
 use rolter_loadtest::{spawn_fleet, FleetConfig, FleetHandle, KvEventsConfig, ReplicaConfig};
 use serde_json::{json, Value as Json};
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const LIMIT: Duration = Duration::from_secs(10);
 
@@ -48,19 +47,29 @@ fn words(n: usize, tag: &str) -> String {
         .join(" ")
 }
 
-async fn subscribe(endpoint: &str, topic: &str) -> zeromq::SubSocket {
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(endpoint).await.unwrap();
-    sub.subscribe(topic).await.unwrap();
+/// The tests' libzmq context.
+static ZMQ: std::sync::LazyLock<zmq::Context> = std::sync::LazyLock::new(zmq::Context::new);
+
+async fn subscribe(endpoint: &str, topic: &str) -> zmq::Socket {
+    let sub = ZMQ.socket(zmq::SUB).unwrap();
+    sub.set_linger(0).unwrap();
+    sub.connect(endpoint).unwrap();
+    sub.set_subscribe(topic.as_bytes()).unwrap();
     sub
 }
 
-async fn recv(sub: &mut zeromq::SubSocket) -> Vec<Bytes> {
-    tokio::time::timeout(LIMIT, sub.recv())
-        .await
-        .expect("a KV-event message in time")
+/// Whether a message arrives within `limit` (blocking: the publisher runs on its own thread).
+fn readable(sock: &zmq::Socket, limit: Duration) -> bool {
+    sock.poll(zmq::POLLIN, limit.as_millis() as i64).unwrap() > 0
+}
+
+async fn recv(sub: &mut zmq::Socket) -> Vec<Bytes> {
+    assert!(readable(sub, LIMIT), "a KV-event message in time");
+    sub.recv_multipart(0)
         .unwrap()
-        .into_vec()
+        .into_iter()
+        .map(Bytes::from)
+        .collect()
 }
 
 /// Minimal independent decoder of the array/u64 layout, for these tests.
@@ -359,21 +368,16 @@ async fn kv_events_live_match_cache_and_replay() {
     assert!(r.cached_block_hashes().is_empty());
 
     // Replay from seq 1: every buffered batch from 1 on, then the end marker.
-    let mut dealer = zeromq::DealerSocket::new();
+    let dealer = ZMQ.socket(zmq::DEALER).unwrap();
+    dealer.set_linger(0).unwrap();
+    dealer.connect(&r.kv_replay_endpoint().unwrap()).unwrap();
     dealer
-        .connect(&r.kv_replay_endpoint().unwrap())
-        .await
+        .send_multipart([&b""[..], &1u64.to_be_bytes()], 0)
         .unwrap();
-    let mut req = ZmqMessage::from(Bytes::new());
-    req.push_back(Bytes::copy_from_slice(&1u64.to_be_bytes()));
-    dealer.send(req).await.unwrap();
     let mut got = Vec::new();
     loop {
-        let m = tokio::time::timeout(LIMIT, dealer.recv())
-            .await
-            .unwrap()
-            .unwrap()
-            .into_vec();
+        assert!(readable(&dealer, LIMIT), "a replay reply in time");
+        let m = dealer.recv_multipart(0).unwrap();
         assert_eq!(m.len(), 3, "empty delimiter, seq, payload");
         assert!(m[0].is_empty());
         if m[1][..] == [0xff; 8] {
@@ -429,8 +433,10 @@ async fn kv_faults_gap_corrupt_stall_restart() {
 
     r.kv_fault(KvFault::Stall);
     send().await;
-    let stalled = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await;
-    assert!(stalled.is_err(), "nothing arrives while stalled");
+    assert!(
+        !readable(&sub, Duration::from_millis(100)),
+        "nothing arrives while stalled"
+    );
     r.kv_fault(KvFault::Resume);
     assert_eq!(seq_of(&recv(&mut sub).await), 4);
 

@@ -120,6 +120,15 @@ pub struct KvEventsConfig {
     /// Most blocks remembered for this replica.
     #[serde(default = "default_kv_max_blocks")]
     pub max_blocks: usize,
+    /// Largest ZMQ frame accepted from the publisher or its replay endpoint; a peer
+    /// sending a larger one is disconnected and counted (see
+    /// [`crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES`]).
+    #[serde(default = "default_kv_max_message_bytes")]
+    pub max_message_bytes: u64,
+}
+
+fn default_kv_max_message_bytes() -> u64 {
+    crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES
 }
 
 fn default_kv_staleness_ms() -> u64 {

@@ -427,3 +427,34 @@ fn session_ttl_is_bounded_to_30_days() {
         );
     }
 }
+
+/// `[providers.kv_events] max_message_bytes`: defaulted, and refused outside its range.
+#[test]
+fn kv_events_max_message_bytes_is_defaulted_and_bounded() {
+    let with = |extra: &str| {
+        GOOD.replace(
+            "api_base = \"http://127.0.0.1:8001\"",
+            &format!(
+                "api_base = \"http://127.0.0.1:8001\"\n[providers.kv_events]\n\
+                 endpoint = \"tcp://127.0.0.1:5557\"\n{extra}"
+            ),
+        )
+    };
+    let cfg = parse(&with(""), "z.toml").unwrap();
+    let kv = cfg.providers[0].kv_events.as_ref().unwrap();
+    assert_eq!(
+        kv.max_message_bytes,
+        crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES
+    );
+    for bad in [0u64, 65_535, (1 << 30) + 1] {
+        let problems = parse(&with(&format!("max_message_bytes = {bad}")), "z.toml")
+            .unwrap_err()
+            .problems();
+        assert_eq!(problems.len(), 1, "{bad}: {problems:?}");
+        assert!(
+            problems[0].starts_with("providers[0].kv_events.max_message_bytes: must be between"),
+            "{bad}: {problems:?}"
+        );
+    }
+    assert!(parse(&with("max_message_bytes = 65536"), "z.toml").is_ok());
+}

@@ -305,6 +305,14 @@ fn kv_events_problems(
             "providers[{i}].kv_events: staleness_ms and max_blocks must be greater than 0"
         ));
     }
+    let range = crate::kv_events::socket::MESSAGE_BYTES_RANGE;
+    if !range.contains(&kv.max_message_bytes) {
+        out.push(format!(
+            "providers[{i}].kv_events.max_message_bytes: must be between {} and {}",
+            range.start(),
+            range.end()
+        ));
+    }
     out
 }
 

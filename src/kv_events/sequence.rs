@@ -129,6 +129,15 @@ impl SeqTracker {
     pub fn last(&self) -> Option<Applied> {
         self.last
     }
+
+    /// Whether a batch with `stream_id` can belong to the stream applied so far (an
+    /// absent id on either side matches anything).
+    pub fn same_stream(&self, stream_id: Option<[u8; STREAM_ID_LEN]>) -> bool {
+        match (self.stream_id, stream_id) {
+            (Some(known), Some(id)) => known == id,
+            _ => true,
+        }
+    }
 }
 
 /// Sentinel for "no timestamp" in the millisecond atomics.
@@ -177,6 +186,11 @@ pub struct StreamState {
     pub skipped_stores: AtomicU64,
     /// Index entries evicted to stay under the cap.
     pub evictions: AtomicU64,
+    /// Peers disconnected for breaking the protocol (a frame over the size limit, a
+    /// malformed handshake), on the SUB or the replay DEALER.
+    pub protocol_errors: AtomicU64,
+    /// Publisher connections that dropped, whatever the reason.
+    pub disconnects: AtomicU64,
 }
 
 impl Default for StreamState {
@@ -224,6 +238,10 @@ pub struct StreamStats {
     pub skipped_stores: u64,
     /// Index evictions.
     pub evictions: u64,
+    /// Protocol violations.
+    pub protocol_errors: u64,
+    /// Dropped publisher connections.
+    pub disconnects: u64,
 }
 
 impl StreamState {
@@ -251,6 +269,8 @@ impl StreamState {
             orphan_stores: AtomicU64::new(0),
             skipped_stores: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+            disconnects: AtomicU64::new(0),
         }
     }
 
@@ -325,6 +345,8 @@ impl StreamState {
             orphan_stores: get(&self.orphan_stores),
             skipped_stores: get(&self.skipped_stores),
             evictions: get(&self.evictions),
+            protocol_errors: get(&self.protocol_errors),
+            disconnects: get(&self.disconnects),
         }
     }
 
@@ -404,8 +426,11 @@ mod tests {
         t.accept(3, Some([1; STREAM_ID_LEN]), 0);
         assert_eq!(t.classify(4, Some([1; STREAM_ID_LEN])), SeqClass::InOrder);
         assert_eq!(t.classify(4, Some([2; STREAM_ID_LEN])), SeqClass::Restart);
+        assert!(t.same_stream(Some([1; STREAM_ID_LEN])) && t.same_stream(None));
+        assert!(!t.same_stream(Some([2; STREAM_ID_LEN])));
         t.reset();
         assert_eq!(t.classify(0, None), SeqClass::First);
+        assert!(t.same_stream(Some([2; STREAM_ID_LEN])));
     }
 
     #[test]

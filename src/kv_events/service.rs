@@ -1,7 +1,7 @@
 //! The pingora background service that keeps one [`KvEventSubscriber`] running per
 //! `[providers.kv_events]` of the live route table.
 //!
-//! Reconciles with the table every [`RECONCILE_INTERVAL`]: a provider whose stream
+//! Reconciles with the table every `RECONCILE_INTERVAL` (250 ms): a provider whose stream
 //! settings are unchanged keeps its subscriber (and index) across reloads; a changed
 //! endpoint restarts the subscriber with an emptied index (the old replica's blocks
 //! mean nothing for the new one); a removed provider's subscriber stops. A provider
@@ -73,6 +73,7 @@ impl BackgroundService for KvEventService {
                 cfg.bind = entry.spec.bind;
                 cfg.replay_endpoint = entry.spec.replay_endpoint.clone();
                 cfg.staleness_limit = Duration::from_millis(entry.spec.staleness_ms);
+                cfg.max_message_bytes = entry.spec.max_message_bytes;
                 let sub = KvEventSubscriber::new(
                     cfg,
                     entry.state.index.clone(),

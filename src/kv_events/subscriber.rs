@@ -1,27 +1,37 @@
-//! The async side of one provider's KV-event stream: ZMQ SUB client, replay DEALER
-//! client, reconnect with back-off, staleness, and feeding the target's index.
+//! The async side of one provider's KV-event stream: live messages and connection
+//! reports from the SUB socket, replay requests, reconnects, staleness, and feeding the
+//! target's index.
 //!
-//! Owns the sockets of one stream and the decisions of [`super::sequence`]'s rules
-//! (gap → replay or rebuild, restart → clear, stale → untrusted + reconnect). It does
-//! not choose targets, register metrics or read config files: the caller builds a
-//! [`SubscriberConfig`], shares an `Arc<ResidencyIndex>` and an `Arc<StreamState>`
-//! with the router, and drives [`KvEventSubscriber::run`] (e.g. from a pingora
+//! Owns the decisions of [`super::sequence`]'s rules (gap → replay or rebuild, restart
+//! → clear, stale → untrusted + reconnect). The sockets themselves are
+//! [`super::socket`]'s (libzmq, blocking, each on a thread of its own). It does not
+//! choose targets, register metrics or read config files: the caller builds a
+//! [`SubscriberConfig`], shares an `Arc<ResidencyIndex>` and an `Arc<StreamState>` with
+//! the router, and drives [`KvEventSubscriber::run`] (e.g. from a pingora
 //! `BackgroundService`, passing its shutdown watch as the `shutdown` future).
 //!
-//! Notes on the `zeromq` crate (0.7, pure Rust; the same version the simulator's
-//! publisher uses), which shape this module:
-//! - A SUB socket re-dials a peer that went away (0.4 did not), but reports nothing
-//!   while it is gone: `recv` just pends, and batches published before the re-dial
-//!   completes are lost (seen as a gap or a restart). A dead or wedged connection is
-//!   still found by the staleness rule (requests routed, no batch followed) or, with a
-//!   replay endpoint, by a periodic probe (a replay from the last applied batch, which
-//!   also repairs missed batches and detects a restarted publisher); either way the
-//!   socket is recreated.
-//! - `connect` retries refused connections forever: it is bounded by a timeout.
-//! - Some unexpected conditions hit `todo!()` inside the crate (a DEALER whose peer
-//!   disconnects mid-reply, an unknown ZMTP command). Socket reads therefore run in
-//!   their own tokio tasks; a panic there ends that task only and is handled as
-//!   "socket down".
+//! Connections:
+//! - A connecting SUB is re-dialled by libzmq after a lost connection (back-off from
+//!   `backoff_initial` to `backoff_max`); every completed handshake is a (re)connect.
+//!   Batches published while it was down are lost (a gap or a restart): on each
+//!   reconnect, with a replay endpoint, the stream replays from its last applied batch
+//!   to prove continuity, repair what was missed, or find that the publisher restarted.
+//! - On a stream's first connect (nothing applied yet), with a replay endpoint, it
+//!   replays from sequence 0 at once: vLLM keeps its last 10,000 batches, so a freshly
+//!   started gateway learns what each replica already holds without waiting for new
+//!   batches.
+//! - A peer that breaks the protocol (a frame over `max_message_bytes`, a malformed
+//!   handshake) is disconnected by libzmq and counted (`protocol_errors`); a connecting
+//!   socket that libzmq gave up on is replaced after `backoff_initial`.
+//! - A dead or wedged connection is found by ZMTP heartbeats, by the staleness rule
+//!   (requests routed, no batch followed) or, with a replay endpoint, by a periodic
+//!   probe (a replay from the last applied batch); a stale stream or a failed probe
+//!   replaces the socket.
+//! - A restart is recognised wherever it shows: a live sequence that goes back, a
+//!   changed stream id, or a replay from the last applied batch that comes back empty
+//!   (the new publisher has not reached that sequence) or with other content at it. A
+//!   restart slower than the probe interval is therefore still counted (and logged)
+//!   when the publisher comes back.
 //! - Endpoints: `tcp://host:port` connects (vLLM binds `tcp://*:port`); with
 //!   [`SubscriberConfig::bind`] (the caller decides it from the configured text: a
 //!   wildcard host `*`, `0.0.0.0` or `[::]`) the SUB binds instead, for vLLM publishers
@@ -30,44 +40,39 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::decode::{decode_message, decode_replay, DecodeError, KvEvent, KvMessage, ReplayReply};
 use super::sequence::{payload_digest, Applied, SeqClass, SeqTracker, StreamState};
+use super::socket::{
+    Incoming, Limits, LiveConfig, LiveSocket, ReplayDealer, SocketError, DEFAULT_MAX_MESSAGE_BYTES,
+};
 use crate::prefix::residency::ResidencyIndex;
 
-/// Live messages buffered between the socket task and the apply loop. The
-/// publisher's own queue is far larger (vLLM's `hwm` default 100,000); when this
-/// fills, the socket task waits and ZMQ drops at its high-water mark, which
-/// surfaces as a sequence gap.
-const LIVE_CHANNEL_DEPTH: usize = 4096;
 /// Most batches accepted from one replay: twice vLLM's default `buffer_steps` (10,000).
 const MAX_REPLAY_BATCHES: usize = 20_000;
+/// Most payload bytes accepted from one replay (10,000 batches of 100 KiB, far more
+/// than vLLM's ring holds at its default buffer of 10,000 typical batches).
+const MAX_REPLAY_BYTES: usize = 1 << 30;
 /// Longest interval between staleness / probe checks.
 const MAX_TICK: Duration = Duration::from_millis(500);
 
 /// Errors of one connection or replay attempt (logged and counted, never fatal).
 #[derive(Debug, thiserror::Error)]
 pub enum SubscribeError {
-    /// The socket layer failed.
-    #[error("zmq: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
-    /// A connect, send or receive took longer than its limit.
-    #[error("timed out: {0}")]
-    Timeout(&'static str),
+    /// The socket layer failed or the peer broke the protocol.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
     /// A reply could not be decoded.
     #[error("decode: {0}")]
     Decode(#[from] DecodeError),
-    /// The replay went past [`MAX_REPLAY_BATCHES`].
-    #[error("replay sent more than {MAX_REPLAY_BATCHES} batches")]
+    /// The replay went past `MAX_REPLAY_BATCHES` or `MAX_REPLAY_BYTES`.
+    #[error("replay sent more than {MAX_REPLAY_BATCHES} batches or {MAX_REPLAY_BYTES} bytes")]
     ReplayTooLong,
-    /// A socket task ended abnormally (a panic inside the zeromq crate).
-    #[error("socket task failed: {0}")]
+    /// A blocking replay task ended abnormally.
+    #[error("replay task failed: {0}")]
     Task(String),
 }
 
@@ -95,6 +100,9 @@ pub struct SubscriberConfig {
     /// With a replay endpoint: after this much silence, probe the stream with a
     /// replay from the last applied batch (`None` disables probing).
     pub probe_interval: Option<Duration>,
+    /// Largest inbound ZMQ frame on the SUB and the replay DEALER; a peer sending a
+    /// larger one is disconnected and counted.
+    pub max_message_bytes: u64,
 }
 
 impl SubscriberConfig {
@@ -112,25 +120,30 @@ impl SubscriberConfig {
             staleness_limit: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(5),
             probe_interval: Some(Duration::from_secs(30)),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_message_bytes: self.max_message_bytes,
+            reconnect_initial: self.backoff_initial,
+            reconnect_max: self.backoff_max,
+            connect_timeout: self.connect_timeout,
         }
     }
 }
 
-/// The address to bind for a wildcard endpoint (the socket layer spells `*` as `0.0.0.0`).
-fn bind_address(endpoint: &str) -> String {
-    endpoint.replacen("://*:", "://0.0.0.0:", 1)
-}
-
-/// A live connection: the socket task and its channel.
-struct Live {
-    rx: mpsc::Receiver<Vec<Bytes>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+/// What a replay from the last applied batch says about the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Continuity {
+    /// It starts with the batch we applied last: the stream went on.
+    Continuous,
+    /// The publisher restarted: its ring ends before our last batch, holds other
+    /// content at that sequence, or carries another stream id.
+    Restarted,
+    /// Its ring no longer reaches back to our last batch: too much was missed to tell.
+    NotCovered,
 }
 
 /// One provider's KV-event subscriber (see the module header).
@@ -154,64 +167,154 @@ impl KvEventSubscriber {
         }
     }
 
-    /// Run until `shutdown` completes: connect, apply batches, repair, reconnect.
+    /// Run until `shutdown` completes: open the socket, apply batches, repair, reopen.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let mut backoff = self.cfg.backoff_initial;
         let tick = (self.cfg.staleness_limit / 4).clamp(Duration::from_millis(10), MAX_TICK);
         loop {
-            let connected = tokio::select! {
-                _ = &mut shutdown => return,
-                r = self.connect() => r,
-            };
-            let mut live = match connected {
-                Ok(live) => live,
-                Err(e) => {
-                    log::warn!("kv_events {}: connect failed: {e}", self.cfg.endpoint);
+            let opened = LiveSocket::open(&LiveConfig {
+                endpoint: self.cfg.endpoint.clone(),
+                bind: self.cfg.bind,
+                topic: self.cfg.topic.clone(),
+                limits: self.cfg.limits(),
+            });
+            match opened {
+                Ok(mut live) => {
+                    let answered = self.serve(&mut live, &mut shutdown, tick).await;
+                    live.close().await;
                     self.socket_down();
-                    tokio::select! {
-                        _ = &mut shutdown => return,
-                        _ = tokio::time::sleep(backoff) => {}
+                    match answered {
+                        None => return,
+                        Some(true) => backoff = self.cfg.backoff_initial,
+                        Some(false) => {}
                     }
-                    backoff = (backoff * 2).min(self.cfg.backoff_max);
-                    continue;
                 }
-            };
-            backoff = self.cfg.backoff_initial;
-            self.state.set_connected(true);
-            StreamState::bump(&self.state.connects, 1);
-            self.state.reset_staleness();
-            self.last_probe_ms = self.state.now_ms();
+                Err(e) => {
+                    log::warn!(
+                        "kv_events {}: cannot open the socket: {e}",
+                        self.cfg.endpoint
+                    );
+                    self.socket_down();
+                }
+            }
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.cfg.backoff_max);
+        }
+    }
+
+    /// Serve one socket until it must be replaced. `None` on shutdown; otherwise
+    /// whether a publisher ever completed a handshake on it.
+    async fn serve(
+        &mut self,
+        live: &mut LiveSocket,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        tick: Duration,
+    ) -> Option<bool> {
+        let opened = Instant::now();
+        let mut answered = false;
+        let mut warned = false;
+        self.last_probe_ms = self.state.now_ms();
+        let mut ticker = tokio::time::interval(tick);
+        loop {
+            tokio::select! {
+                _ = shutdown.as_mut() => return None,
+                report = live.recv() => match report {
+                    Some(Incoming::Message(frames)) => self.on_live(&frames).await,
+                    Some(Incoming::Up) => {
+                        answered = true;
+                        self.on_up().await;
+                    }
+                    Some(Incoming::Down { remaining }) => self.on_down(remaining),
+                    Some(Incoming::ProtocolError(why)) => self.on_protocol_error("", why),
+                    None => {
+                        log::warn!("kv_events {}: socket closed, reopening", self.cfg.endpoint);
+                        return Some(answered);
+                    }
+                },
+                _ = ticker.tick() => {
+                    if !self.cfg.bind
+                        && !answered
+                        && !warned
+                        && opened.elapsed() >= self.cfg.connect_timeout
+                    {
+                        warned = true;
+                        log::warn!(
+                            "kv_events {}: no publisher answered within {:?}; still dialling",
+                            self.cfg.endpoint,
+                            self.cfg.connect_timeout
+                        );
+                    }
+                    if !self.on_tick().await {
+                        return Some(answered);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A publisher connection completed its handshake.
+    async fn on_up(&mut self) {
+        log::info!("kv_events {}: publisher connected", self.cfg.endpoint);
+        self.state.set_connected(true);
+        StreamState::bump(&self.state.connects, 1);
+        self.state.reset_staleness();
+        self.last_probe_ms = self.state.now_ms();
+        if self.cfg.replay_endpoint.is_none() {
             if self.tracker.last().is_some() {
                 // Batches may have been missed while disconnected, or the publisher
-                // restarted: prove continuity through the replay endpoint, or wait
-                // for the first batch to tell.
+                // restarted: the first batch will tell.
                 self.state.set_trusted(false);
-                if self.cfg.replay_endpoint.is_some() {
-                    self.probe().await;
-                }
             }
-            let mut ticker = tokio::time::interval(tick);
-            loop {
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    frames = live.rx.recv() => match frames {
-                        Some(frames) => self.on_live(&frames).await,
-                        None => {
-                            log::warn!("kv_events {}: socket closed", self.cfg.endpoint);
-                            break;
-                        }
-                    },
-                    _ = ticker.tick() => {
-                        if !self.on_tick().await {
-                            break;
-                        }
+            return;
+        }
+        if self.tracker.last().is_some() {
+            // Prove continuity (or repair, or detect a restart) through the replay.
+            self.state.set_trusted(false);
+            self.probe().await;
+        } else {
+            // Nothing applied yet: learn what the publisher's ring already holds.
+            match self.replay(0).await {
+                Ok(replies) => {
+                    if !replies.is_empty() {
+                        log::info!(
+                            "kv_events {}: replayed {} buffered batches on connect",
+                            self.cfg.endpoint,
+                            replies.len()
+                        );
+                        self.apply_replay(replies, None);
                     }
                 }
+                Err(e) => {
+                    log::warn!(
+                        "kv_events {}: initial replay failed: {e}",
+                        self.cfg.endpoint
+                    );
+                    StreamState::bump(&self.state.replays_failed, 1);
+                }
             }
-            drop(live);
+        }
+    }
+
+    /// A publisher connection dropped.
+    fn on_down(&mut self, remaining: usize) {
+        StreamState::bump(&self.state.disconnects, 1);
+        if remaining == 0 {
+            log::info!("kv_events {}: publisher disconnected", self.cfg.endpoint);
             self.socket_down();
         }
+    }
+
+    /// A peer broke the protocol and libzmq disconnected it.
+    fn on_protocol_error(&self, socket: &str, why: &str) {
+        log::warn!(
+            "kv_events {}: {socket}peer disconnected for a protocol violation: {why}",
+            self.cfg.endpoint
+        );
+        StreamState::bump(&self.state.protocol_errors, 1);
     }
 
     fn socket_down(&self) {
@@ -221,7 +324,7 @@ impl KvEventSubscriber {
         }
     }
 
-    /// Periodic checks; false when the connection should be recreated.
+    /// Periodic checks; false when the socket should be replaced.
     async fn on_tick(&mut self) -> bool {
         let now = self.state.now_ms();
         if self
@@ -264,10 +367,10 @@ impl KvEventSubscriber {
         match self.replay(last.seq).await {
             Ok(replies) => {
                 let extra = replies.iter().filter(|(m, _)| m.seq > last.seq).count();
-                if extra > 0 {
+                if extra > 0 && self.continuity(&replies, last) != Continuity::Restarted {
                     StreamState::bump(&self.state.gaps, 1);
                 }
-                self.apply_replay(replies, Some(last));
+                self.apply_verified_replay(replies, last).await;
                 self.state.set_trusted(true);
                 true
             }
@@ -278,41 +381,6 @@ impl KvEventSubscriber {
                 false
             }
         }
-    }
-
-    async fn connect(&self) -> Result<Live, SubscribeError> {
-        let mut sub = SubSocket::new();
-        sub.subscribe(&self.cfg.topic).await?;
-        let attempt = async {
-            if self.cfg.bind {
-                sub.bind(&bind_address(&self.cfg.endpoint))
-                    .await
-                    .map(|_| ())
-            } else {
-                sub.connect(&self.cfg.endpoint).await
-            }
-        };
-        tokio::time::timeout(self.cfg.connect_timeout, attempt)
-            .await
-            .map_err(|_| SubscribeError::Timeout("connect"))??;
-        let (tx, rx) = mpsc::channel(LIVE_CHANNEL_DEPTH);
-        let endpoint = self.cfg.endpoint.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                match sub.recv().await {
-                    Ok(msg) => {
-                        if tx.send(msg.into_vec()).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        log::warn!("kv_events {endpoint}: recv failed: {e}");
-                        return;
-                    }
-                }
-            }
-        });
-        Ok(Live { rx, task })
     }
 
     /// Handle one live message.
@@ -330,6 +398,8 @@ impl KvEventSubscriber {
             }
         };
         let digest = payload_digest(&frames[2]);
+        // A message proves a connection (a bound socket's count may lag behind).
+        self.state.set_connected(true);
         self.state.batch_arrived(msg.seq);
         match self.tracker.classify(msg.seq, msg.stream_id) {
             SeqClass::Duplicate => {}
@@ -360,7 +430,7 @@ impl KvEventSubscriber {
                 self.state.set_trusted(true);
             }
             SeqClass::Restart => {
-                log::info!(
+                log::warn!(
                     "kv_events {}: publisher restarted (seq {} after {:?}): clearing index",
                     self.cfg.endpoint,
                     msg.seq,
@@ -389,14 +459,7 @@ impl KvEventSubscriber {
             return;
         }
         match self.replay(last.seq).await {
-            Ok(replies) => {
-                if !self.apply_replay(replies, Some(last)) {
-                    log::info!(
-                        "kv_events {}: replay could not prove continuity: index rebuilt",
-                        self.cfg.endpoint
-                    );
-                }
-            }
+            Ok(replies) => self.apply_verified_replay(replies, last).await,
             Err(e) => {
                 log::warn!(
                     "kv_events {}: replay failed: {e}: index rebuilt",
@@ -404,6 +467,53 @@ impl KvEventSubscriber {
                 );
                 StreamState::bump(&self.state.replays_failed, 1);
                 self.rebuild();
+            }
+        }
+    }
+
+    /// What a replay from the last applied batch `last` says about the stream.
+    fn continuity(&self, replies: &[(KvMessage, u64)], last: Applied) -> Continuity {
+        match replies.first() {
+            // The ring ends before our last batch: the sequence went back.
+            None => Continuity::Restarted,
+            Some((m, _)) if !self.tracker.same_stream(m.stream_id) => Continuity::Restarted,
+            Some((m, d)) if m.seq == last.seq && *d == last.digest => Continuity::Continuous,
+            // The same number with other content: a new publisher's batch.
+            Some((m, _)) if m.seq == last.seq => Continuity::Restarted,
+            Some(_) => Continuity::NotCovered,
+        }
+    }
+
+    /// Apply a replay from the last applied batch `last`: the missing batches if the
+    /// stream went on; after a restart the new publisher's whole ring on an emptied
+    /// index; otherwise whatever follows, on an emptied index.
+    async fn apply_verified_replay(&mut self, replies: Vec<(KvMessage, u64)>, last: Applied) {
+        match self.continuity(&replies, last) {
+            Continuity::Continuous => {
+                self.apply_replay(replies, Some(last));
+            }
+            Continuity::Restarted => {
+                log::warn!(
+                    "kv_events {}: publisher restarted (its replay from seq {} {}): clearing index",
+                    self.cfg.endpoint,
+                    last.seq,
+                    match replies.first() {
+                        None => "is empty".to_string(),
+                        Some((m, _)) => format!("starts with other content at seq {}", m.seq),
+                    }
+                );
+                StreamState::bump(&self.state.restarts, 1);
+                self.rebuild();
+                if let Ok(replies) = self.replay(0).await {
+                    self.apply_replay(replies, None);
+                }
+            }
+            Continuity::NotCovered => {
+                log::info!(
+                    "kv_events {}: replay could not prove continuity: index rebuilt",
+                    self.cfg.endpoint
+                );
+                self.apply_replay(replies, Some(last));
             }
         }
     }
@@ -497,47 +607,55 @@ impl KvEventSubscriber {
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
             return Ok(Vec::new());
         };
-        let connect_timeout = self.cfg.connect_timeout;
-        let reply_timeout = self.cfg.replay_timeout;
-        // The zeromq DEALER can panic on a peer that goes away mid-reply: contain it.
-        let task = tokio::spawn(async move {
-            let mut dealer = DealerSocket::new();
-            tokio::time::timeout(connect_timeout, dealer.connect(&endpoint))
-                .await
-                .map_err(|_| SubscribeError::Timeout("replay connect"))??;
-            // vLLM's ROUTER expects [identity, b"", start]: the DEALER sends the
-            // empty delimiter and the 8-byte big-endian start sequence.
-            let mut request = ZmqMessage::from(Bytes::new());
-            request.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
-            tokio::time::timeout(reply_timeout, dealer.send(request))
-                .await
-                .map_err(|_| SubscribeError::Timeout("replay request"))??;
-            let mut replies = Vec::new();
-            loop {
-                let msg = tokio::time::timeout(reply_timeout, dealer.recv())
-                    .await
-                    .map_err(|_| SubscribeError::Timeout("replay reply"))??;
-                let frames = msg.into_vec();
-                let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
-                match decode_replay(&refs)? {
-                    ReplayReply::End => return Ok(replies),
-                    ReplayReply::Batch(m) => {
-                        let digest = payload_digest(refs.last().copied().unwrap_or_default());
-                        replies.push((m, digest));
-                        if replies.len() > MAX_REPLAY_BATCHES {
-                            return Err(SubscribeError::ReplayTooLong);
-                        }
-                    }
-                }
-            }
+        let limits = self.cfg.limits();
+        let (connect_timeout, reply_timeout) = (self.cfg.connect_timeout, self.cfg.replay_timeout);
+        let exchange = tokio::task::spawn_blocking(move || {
+            replay_exchange(&endpoint, &limits, connect_timeout, reply_timeout, start)
         });
-        let replies = task
-            .await
-            .map_err(|e| SubscribeError::Task(e.to_string()))??;
+        let replies = match exchange.await {
+            Ok(Err(SubscribeError::Socket(SocketError::Protocol(why)))) => {
+                self.on_protocol_error("replay ", why);
+                return Err(SocketError::Protocol(why).into());
+            }
+            Ok(r) => r?,
+            Err(e) => return Err(SubscribeError::Task(e.to_string())),
+        };
         if let Some((m, _)) = replies.last() {
             self.state.batches_replayed(replies.len() as u64, m.seq);
         }
         Ok(replies)
+    }
+}
+
+/// One replay request over a fresh DEALER (blocking).
+fn replay_exchange(
+    endpoint: &str,
+    limits: &Limits,
+    connect_timeout: Duration,
+    reply_timeout: Duration,
+    start: u64,
+) -> Result<Vec<(KvMessage, u64)>, SubscribeError> {
+    let mut dealer = ReplayDealer::connect(endpoint, limits)?;
+    dealer.wait_connected(connect_timeout)?;
+    // vLLM's ROUTER expects [identity, b"", start]: the DEALER sends the empty
+    // delimiter and the 8-byte big-endian start sequence.
+    dealer.send(&[b"", &start.to_be_bytes()])?;
+    let mut replies = Vec::new();
+    let mut bytes = 0usize;
+    loop {
+        let frames = dealer.recv(reply_timeout)?;
+        let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
+        match decode_replay(&refs)? {
+            ReplayReply::End => return Ok(replies),
+            ReplayReply::Batch(m) => {
+                let payload = refs.last().copied().unwrap_or_default();
+                bytes += payload.len();
+                replies.push((m, payload_digest(payload)));
+                if replies.len() > MAX_REPLAY_BATCHES || bytes > MAX_REPLAY_BYTES {
+                    return Err(SubscribeError::ReplayTooLong);
+                }
+            }
+        }
     }
 }
 
@@ -546,8 +664,10 @@ mod tests {
     use super::*;
     use parking_lot::Mutex;
     use rmpv::Value;
-    use tokio::sync::{oneshot, Notify};
-    use zeromq::{PubSocket, RouterSocket};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::LazyLock;
+    use tokio::sync::oneshot;
+    use tokio::task::JoinHandle;
 
     const TOPIC: &str = "kv@test";
     const BS: u32 = 4;
@@ -594,41 +714,81 @@ mod tests {
     /// Published (sequence, payload) pairs the replay ROUTER serves from.
     type ReplayBuffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
+    /// Test sockets' libzmq context.
+    static TEST_CONTEXT: LazyLock<zmq::Context> = LazyLock::new(zmq::Context::new);
+
+    /// Bind a fresh socket of `kind` on `endpoint` (port 0: any), retrying while a closed
+    /// predecessor still holds the port; returns it and the bound endpoint.
+    fn bound(kind: zmq::SocketType, endpoint: &str) -> (zmq::Socket, String) {
+        let sock = TEST_CONTEXT.socket(kind).unwrap();
+        sock.set_linger(0).unwrap();
+        let deadline = Instant::now() + WAIT;
+        while let Err(e) = sock.bind(endpoint) {
+            assert!(
+                e == zmq::Error::EADDRINUSE && Instant::now() < deadline,
+                "bind {endpoint}: {e}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ep = sock.get_last_endpoint().unwrap().unwrap();
+        (sock, ep)
+    }
+
     /// An in-test vLLM publisher: PUB + replay ROUTER with a buffer, on loopback.
     struct Publisher {
-        pub_sock: PubSocket,
+        pub_sock: zmq::Socket,
         pub_endpoint: String,
         replay_endpoint: String,
         buffer: ReplayBuffer,
-        /// Notified when a replay request arrives.
-        requested: Arc<Notify>,
+        /// Replay requests received.
+        requested: Arc<AtomicUsize>,
         /// When set, the ROUTER waits for this before answering.
-        gate: Arc<Mutex<Option<oneshot::Receiver<()>>>>,
+        gate: Arc<Mutex<Option<std::sync::mpsc::Receiver<()>>>>,
+        /// Stops the ROUTER thread (which then closes the socket).
+        stop: Arc<AtomicBool>,
+        router: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Drop for Publisher {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Release);
+            if let Some(t) = self.router.take() {
+                let _ = t.join();
+            }
+        }
     }
 
     impl Publisher {
         async fn start() -> Publisher {
-            let mut pub_sock = PubSocket::new();
-            let pub_endpoint = pub_sock
-                .bind("tcp://127.0.0.1:0")
-                .await
-                .unwrap()
-                .to_string();
-            let mut router = RouterSocket::new();
-            let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+            Self::start_on("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        }
+
+        /// A publisher on given endpoints (a restarted one reuses its predecessor's).
+        fn start_on(pub_ep: &str, replay_ep: &str) -> Publisher {
+            let (pub_sock, pub_endpoint) = bound(zmq::PUB, pub_ep);
+            let (router, replay_endpoint) = bound(zmq::ROUTER, replay_ep);
             let buffer: ReplayBuffer = Arc::default();
-            let requested = Arc::new(Notify::new());
-            let gate: Arc<Mutex<Option<oneshot::Receiver<()>>>> = Arc::default();
-            let (buf, req, g) = (buffer.clone(), requested.clone(), gate.clone());
-            tokio::spawn(async move {
-                while let Ok(msg) = router.recv().await {
-                    let frames = msg.into_vec();
+            let requested = Arc::new(AtomicUsize::new(0));
+            let gate: Arc<Mutex<Option<std::sync::mpsc::Receiver<()>>>> = Arc::default();
+            let stop = Arc::new(AtomicBool::new(false));
+            let (buf, req, g, st) = (
+                buffer.clone(),
+                requested.clone(),
+                gate.clone(),
+                stop.clone(),
+            );
+            let thread = std::thread::spawn(move || {
+                while !st.load(Ordering::Acquire) {
+                    if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
+                        continue;
+                    }
+                    let frames = router.recv_multipart(0).unwrap();
                     let id = frames[0].clone();
-                    let start = u64::from_be_bytes(frames[2].as_ref().try_into().unwrap());
-                    req.notify_one();
+                    let start = u64::from_be_bytes(frames[2][..].try_into().unwrap());
+                    req.fetch_add(1, Ordering::AcqRel);
                     let gate = g.lock().take();
                     if let Some(gate) = gate {
-                        let _ = gate.await;
+                        let _ = gate.recv();
                     }
                     let batches: Vec<_> = buf
                         .lock()
@@ -637,29 +797,12 @@ mod tests {
                         .cloned()
                         .collect();
                     for (seq, p) in batches {
-                        let reply = vec![
-                            id.clone(),
-                            Bytes::new(),
-                            Bytes::from_static(TOPIC.as_bytes()),
-                            Bytes::copy_from_slice(&seq.to_be_bytes()),
-                            Bytes::from(p),
-                        ];
-                        router
-                            .send(ZmqMessage::try_from(reply).unwrap())
-                            .await
-                            .unwrap();
+                        let reply: [&[u8]; 5] =
+                            [&id, b"", TOPIC.as_bytes(), &seq.to_be_bytes(), &p];
+                        router.send_multipart(reply, 0).unwrap();
                     }
-                    let end = vec![
-                        id,
-                        Bytes::new(),
-                        Bytes::new(),
-                        Bytes::from_static(&[0xFF; 8]),
-                        Bytes::new(),
-                    ];
-                    router
-                        .send(ZmqMessage::try_from(end).unwrap())
-                        .await
-                        .unwrap();
+                    let end: [&[u8]; 5] = [&id, b"", b"", &[0xFF; 8], b""];
+                    router.send_multipart(end, 0).unwrap();
                 }
             });
             Publisher {
@@ -669,6 +812,8 @@ mod tests {
                 buffer,
                 requested,
                 gate,
+                stop,
+                router: Some(thread),
             }
         }
 
@@ -677,15 +822,8 @@ mod tests {
             let p = payload(events);
             self.buffer.lock().push((seq, p.clone()));
             if !drop {
-                let frames = vec![
-                    Bytes::from_static(TOPIC.as_bytes()),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    Bytes::from(p),
-                ];
-                self.pub_sock
-                    .send(ZmqMessage::try_from(frames).unwrap())
-                    .await
-                    .unwrap();
+                let frames: [&[u8]; 3] = [TOPIC.as_bytes(), &seq.to_be_bytes(), &p];
+                self.pub_sock.send_multipart(frames, 0).unwrap();
             }
         }
     }
@@ -749,15 +887,17 @@ mod tests {
 
             // seq 1 is lost on the wire; seq 2 shows the gap. Hold the replay until
             // the test has seen the target go untrusted.
-            let (go, gate) = oneshot::channel();
+            let (go, gate) = std::sync::mpsc::channel();
             *p.gate.lock() = Some(gate);
+            let requests = p.requested.load(Ordering::Acquire);
             p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], true)
                 .await;
             p.publish(2, vec![stored(&[4], Some(3), &tokens(3))], false)
                 .await;
-            tokio::time::timeout(WAIT, p.requested.notified())
-                .await
-                .expect("replay requested");
+            wait_until("replay requested", || {
+                p.requested.load(Ordering::Acquire) > requests
+            })
+            .await;
             assert!(!state.is_trusted(), "a gap makes the target untrusted");
             go.send(()).unwrap();
 
@@ -782,14 +922,7 @@ mod tests {
 
             // Garbage is counted, not fatal.
             p.pub_sock
-                .send(
-                    ZmqMessage::try_from(vec![
-                        Bytes::from_static(TOPIC.as_bytes()),
-                        Bytes::from_static(b"x"),
-                    ])
-                    .unwrap(),
-                )
-                .await
+                .send_multipart([TOPIC.as_bytes(), b"x"], 0)
                 .unwrap();
             wait_until("decode error counted", || {
                 state.snapshot().decode_errors == 1
@@ -847,10 +980,83 @@ mod tests {
         .expect("test bounded in time");
     }
 
+    /// Issue #20 item 9: a freshly started subscriber learns the publisher's ring at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_first_connect_replays_what_the_publisher_already_published() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let mut p = Publisher::start().await;
+            let t = prompt(4);
+            // Published before anyone subscribed: the PUB socket sends them to nobody.
+            p.publish(0, vec![stored(&[1, 2], None, &t[..8])], false)
+                .await;
+            p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], false)
+                .await;
+            p.publish(2, vec![stored(&[4], Some(3), &tokens(3))], false)
+                .await;
+            let (index, state, stop, handle) = start(config(&p, true)).await;
+            wait_until("the ring replayed", || index.block_count() == 4).await;
+            assert_eq!(index.match_blocks(&t, BS as usize), 4);
+            let s = state.snapshot();
+            assert_eq!((s.replays_ok, s.gaps, s.rebuilds), (1, 0, 0));
+            assert_eq!(s.last_seq, Some(2));
+            assert!(state.is_trusted());
+            // The live stream continues in order from there.
+            p.publish(3, vec![stored(&[5], Some(4), &tokens(4))], false)
+                .await;
+            wait_until("next batch", || index.block_count() == 5).await;
+            assert_eq!(state.snapshot().gaps, 0);
+            stop.send(()).unwrap();
+            handle.await.unwrap();
+        })
+        .await
+        .expect("test bounded in time");
+    }
+
+    /// Issue #20 item 11: a publisher that comes back (sequence from 0) after longer than
+    /// the probe interval is counted as a restart, not only as failed replays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restart_slower_than_the_probe_interval_is_counted() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let mut p = Publisher::start().await;
+            let mut cfg = config(&p, true);
+            cfg.probe_interval = Some(Duration::from_millis(200));
+            cfg.connect_timeout = Duration::from_millis(300);
+            cfg.replay_timeout = Duration::from_millis(300);
+            cfg.backoff_initial = Duration::from_millis(50);
+            cfg.backoff_max = Duration::from_millis(200);
+            let (index, state, stop, handle) = start(cfg).await;
+            let t = prompt(4);
+            p.publish(0, vec![stored(&[1, 2], None, &t[..8])], false)
+                .await;
+            p.publish(1, vec![stored(&[3], Some(2), &tokens(2))], false)
+                .await;
+            wait_until("batches applied", || index.block_count() == 3).await;
+
+            // The publisher goes away for several probe intervals.
+            let (pub_ep, replay_ep) = (p.pub_endpoint.clone(), p.replay_endpoint.clone());
+            drop(p);
+            wait_until("a probe failed", || state.snapshot().replays_failed >= 1).await;
+            assert!(!state.is_connected());
+            assert_eq!(state.snapshot().restarts, 0);
+
+            // It comes back with a fresh sequence and other content.
+            let mut p = Publisher::start_on(&pub_ep, &replay_ep);
+            p.publish(0, vec![stored(&[9], None, &tokens(7))], true)
+                .await;
+            wait_until("restart counted", || state.snapshot().restarts == 1).await;
+            wait_until("rebuilt from the new ring", || index.block_count() == 1).await;
+            assert_eq!(index.match_blocks(&t, BS as usize), 0);
+            assert_eq!(index.match_blocks(&tokens(7), BS as usize), 1);
+            wait_until("trusted", || state.is_trusted()).await;
+            stop.send(()).unwrap();
+            handle.await.unwrap();
+        })
+        .await
+        .expect("test bounded in time");
+    }
+
     #[test]
-    fn wildcard_bind_address() {
-        assert_eq!(bind_address("tcp://*:5557"), "tcp://0.0.0.0:5557");
-        assert_eq!(bind_address("tcp://[::]:5557"), "tcp://[::]:5557");
+    fn a_new_config_connects() {
         assert!(!SubscriberConfig::new("tcp://0.0.0.0:5557", "").bind);
     }
 }

@@ -13,17 +13,24 @@
 //! batches until resumed), or restart (sequence back to 0, buffer emptied, like a restarted
 //! vLLM; the replica empties its cache at the same moment).
 //!
-//! It must not block the request path: [`Publisher::publish`] only queues.
+//! It must not block the request path: [`Publisher::publish`] only queues. The sockets are
+//! libzmq's (the `zmq` crate, as vLLM's pyzmq), owned by one thread that polls the ROUTER, a
+//! wake-up pipe for queued commands and the PUB socket's monitor. Like vLLM, the PUB socket
+//! queues up to 100,000 messages per subscriber before dropping. It is an XPUB (the same wire
+//! behaviour for subscribers) so that [`PublisherStats::subscribers`] counts subscriptions
+//! that arrived, not bare connections: a batch published after it rose reaches the new
+//! subscriber (a PUB drops what it sends before the subscription is in).
 
 use std::collections::VecDeque;
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, LazyLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::mpsc;
-use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use super::encode::{corrupt_payload, encode_batch, WireFormat};
 use crate::cache::CacheEvent;
@@ -32,6 +39,19 @@ use crate::cache::CacheEvent;
 pub const VLLM_DEFAULT_BUFFER_STEPS: usize = 10_000;
 /// The replay end marker: sequence −1 as 8 big-endian bytes.
 pub const END_SEQ: [u8; 8] = [0xff; 8];
+/// vLLM's PUB high-water mark (`ZmqEventPublisher(hwm=100_000)`).
+const VLLM_PUB_HWM: i32 = 100_000;
+/// How long a restarted publisher retries binding a port its predecessor still holds
+/// (libzmq closes a socket's listener asynchronously).
+const REBIND_PATIENCE: Duration = Duration::from_secs(5);
+/// Longest wait in one poll of the socket thread (commands also wake it at once).
+const POLL_MS: i64 = 100;
+
+/// The libzmq context of the simulator's publishers (never dropped: terminating a context
+/// waits for all of its sockets).
+static CONTEXT: LazyLock<zmq::Context> = LazyLock::new(zmq::Context::new);
+/// Numbers the inproc endpoints of PUB monitors.
+static MONITOR_ID: AtomicU64 = AtomicU64::new(0);
 
 /// Publisher settings.
 #[derive(Debug, Clone)]
@@ -93,16 +113,18 @@ pub struct PublisherStats {
     pub sent: AtomicU64,
     /// Replay requests served.
     pub replays: AtomicU64,
-    /// Connected subscribers (from the PUB socket's monitor).
+    /// Subscribed subscribers: subscriptions received, less connections dropped.
     pub subscribers: AtomicUsize,
 }
 
-/// Handle to a running publisher task.
+/// Handle to a running publisher thread.
 #[derive(Clone)]
 pub struct Publisher {
     endpoint: String,
     replay_endpoint: Option<String>,
-    tx: mpsc::UnboundedSender<Command>,
+    tx: mpsc::Sender<Command>,
+    /// Written to after each command, to wake the socket thread from its poll.
+    wake: Arc<UnixStream>,
     stats: Arc<PublisherStats>,
 }
 
@@ -116,48 +138,35 @@ impl std::fmt::Debug for Publisher {
 }
 
 impl Publisher {
-    /// Bind the sockets and start the publishing task; it ends when every handle is dropped.
+    /// Bind the sockets and start the publishing thread; it ends when every handle is dropped.
     pub async fn start(cfg: PublisherConfig) -> std::io::Result<Self> {
-        let mut pub_sock = zeromq::PubSocket::new();
-        let monitor = pub_sock.monitor();
-        let endpoint = pub_sock
-            .bind(&cfg.endpoint)
-            .await
-            .map_err(io_err)?
-            .to_string();
-        let (replay, replay_endpoint) = match &cfg.replay_endpoint {
-            Some(ep) => {
-                let mut r = zeromq::RouterSocket::new();
-                let bound = r.bind(ep).await.map_err(io_err)?.to_string();
-                (Some(r), Some(bound))
-            }
-            None => (None, None),
-        };
+        let (wake_rx, wake_tx) = UnixStream::pair()?;
+        wake_rx.set_nonblocking(true)?;
+        wake_tx.set_nonblocking(true)?;
+        let (tx, rx) = mpsc::channel();
         let stats = Arc::new(PublisherStats::default());
-        tokio::spawn(watch_subscribers(monitor, stats.clone()));
-        let (tx, rx) = mpsc::unbounded_channel();
-        let dump = match &cfg.dump {
-            Some(path) => Some(dump::Dump::create(path)?),
-            None => None,
-        };
-        let task = Task {
-            cfg,
-            pub_sock,
-            replay,
-            stats: stats.clone(),
-            seq: 0,
-            buffer: VecDeque::new(),
-            held: VecDeque::new(),
-            stalled: false,
-            drop_next: false,
-            corrupt_next: false,
-            dump,
-        };
-        tokio::spawn(task.run(rx));
+        let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+        let thread_stats = stats.clone();
+        std::thread::Builder::new()
+            .name("sim-kv-publisher".into())
+            .spawn(move || match Task::open(cfg, thread_stats, wake_rx) {
+                Ok(task) => {
+                    let bound = (task.endpoint.clone(), task.replay_endpoint.clone());
+                    let _ = bound_tx.send(Ok(bound));
+                    task.run(rx);
+                }
+                Err(e) => {
+                    let _ = bound_tx.send(Err(e));
+                }
+            })?;
+        let (endpoint, replay_endpoint) = bound_rx
+            .await
+            .map_err(|_| std::io::Error::other("publisher thread ended"))??;
         Ok(Self {
             endpoint,
             replay_endpoint,
             tx,
+            wake: Arc::new(wake_tx),
             stats,
         })
     }
@@ -172,59 +181,69 @@ impl Publisher {
         self.replay_endpoint.as_deref()
     }
 
+    fn command(&self, cmd: Command) -> bool {
+        if self.tx.send(cmd).is_err() {
+            return false;
+        }
+        // A full pipe already holds a pending wake-up.
+        let _ = (&*self.wake).write(&[1]);
+        true
+    }
+
     /// Queue one batch (no-op for an empty one: vLLM publishes only non-empty batches).
     pub fn publish(&self, events: Vec<CacheEvent>) {
         if !events.is_empty() {
-            let _ = self.tx.send(Command::Publish(events));
+            self.command(Command::Publish(events));
         }
     }
 
     /// Apply a fault, ordered with the batches queued before it.
     pub fn fault(&self, fault: KvFault) {
-        let _ = self.tx.send(Command::Fault(fault));
+        self.command(Command::Fault(fault));
     }
 
     pub fn stats(&self) -> &PublisherStats {
         &self.stats
     }
 
-    /// Close both sockets (unbinding their ports) and end the task.
+    /// Close both sockets (unbinding their ports) and end the thread.
     pub async fn close(&self) {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.tx.send(Command::Close(tx)).is_ok() {
+        if self.command(Command::Close(tx)) {
             let _ = rx.await;
         }
     }
 }
 
-fn io_err(e: zeromq::ZmqError) -> std::io::Error {
+fn io_err(e: zmq::Error) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
-async fn watch_subscribers(
-    mut monitor: impl futures_util::Stream<Item = SocketEvent> + Unpin,
-    stats: Arc<PublisherStats>,
-) {
-    use futures_util::StreamExt;
-    while let Some(ev) = monitor.next().await {
-        match ev {
-            SocketEvent::Accepted(..) => {
-                stats.subscribers.fetch_add(1, Ordering::Relaxed);
+/// Bind `sock` to `endpoint`, retrying while a closed predecessor still holds the port.
+fn bind(sock: &zmq::Socket, endpoint: &str) -> std::io::Result<String> {
+    let started = Instant::now();
+    loop {
+        match sock.bind(endpoint) {
+            Ok(()) => break,
+            Err(zmq::Error::EADDRINUSE) if started.elapsed() < REBIND_PATIENCE => {
+                std::thread::sleep(Duration::from_millis(20));
             }
-            SocketEvent::Disconnected(..) => {
-                let _ = stats
-                    .subscribers
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-            }
-            _ => {}
+            Err(e) => return Err(io_err(e)),
         }
     }
+    sock.get_last_endpoint()
+        .map_err(io_err)?
+        .map_err(|_| std::io::Error::other("bound endpoint is not UTF-8"))
 }
 
 struct Task {
     cfg: PublisherConfig,
-    pub_sock: zeromq::PubSocket,
-    replay: Option<zeromq::RouterSocket>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    pub_sock: zmq::Socket,
+    monitor: zmq::Socket,
+    replay: Option<zmq::Socket>,
+    wake: UnixStream,
     stats: Arc<PublisherStats>,
     seq: u64,
     buffer: VecDeque<(u64, Bytes)>,
@@ -235,43 +254,150 @@ struct Task {
     dump: Option<dump::Dump>,
 }
 
+impl Drop for Task {
+    /// Silence the PUB socket's monitor before it closes: libzmq stops a monitor only when
+    /// the closed socket is destroyed, and teardown events sent in between (blocking, from
+    /// the context's I/O thread) to a monitor nobody reads would stall every socket of the
+    /// context. Re-monitoring with no events is the public API's way to silence it.
+    fn drop(&mut self) {
+        let endpoint = format!(
+            "inproc://sim-kv-pub-monitor-off-{}",
+            MONITOR_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        let _ = self.pub_sock.monitor(&endpoint, 0);
+    }
+}
+
 impl Task {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+    fn open(
+        cfg: PublisherConfig,
+        stats: Arc<PublisherStats>,
+        wake: UnixStream,
+    ) -> std::io::Result<Task> {
+        let pub_sock = CONTEXT.socket(zmq::XPUB).map_err(io_err)?;
+        pub_sock.set_linger(0).map_err(io_err)?;
+        pub_sock.set_sndhwm(VLLM_PUB_HWM).map_err(io_err)?;
+        // Every subscription message reaches the thread, not only a topic's first.
+        pub_sock.set_xpub_verbose(true).map_err(io_err)?;
+        let monitor_ep = format!(
+            "inproc://sim-kv-pub-monitor-{}",
+            MONITOR_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        let wanted = i32::from(zmq_sys_event::DISCONNECTED);
+        pub_sock.monitor(&monitor_ep, wanted).map_err(io_err)?;
+        let monitor = CONTEXT.socket(zmq::PAIR).map_err(io_err)?;
+        monitor.set_linger(0).map_err(io_err)?;
+        monitor.connect(&monitor_ep).map_err(io_err)?;
+        let endpoint = bind(&pub_sock, &cfg.endpoint)?;
+        let (replay, replay_endpoint) = match &cfg.replay_endpoint {
+            Some(ep) => {
+                let r = CONTEXT.socket(zmq::ROUTER).map_err(io_err)?;
+                r.set_linger(0).map_err(io_err)?;
+                // The whole ring fits in one reply stream (a ROUTER drops past its HWM).
+                let hwm = i32::try_from(cfg.buffer_steps.saturating_add(16)).unwrap_or(i32::MAX);
+                r.set_sndhwm(hwm).map_err(io_err)?;
+                let bound = bind(&r, ep)?;
+                (Some(r), Some(bound))
+            }
+            None => (None, None),
+        };
+        let dump = match &cfg.dump {
+            Some(path) => Some(dump::Dump::create(path)?),
+            None => None,
+        };
+        Ok(Task {
+            cfg,
+            endpoint,
+            replay_endpoint,
+            pub_sock,
+            monitor,
+            replay,
+            wake,
+            stats,
+            seq: 0,
+            buffer: VecDeque::new(),
+            held: VecDeque::new(),
+            stalled: false,
+            drop_next: false,
+            corrupt_next: false,
+            dump,
+        })
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
         loop {
-            let cmd = match self.replay.as_mut() {
-                Some(replay) => tokio::select! {
-                    cmd = rx.recv() => cmd,
-                    req = replay.recv() => {
-                        if let Ok(req) = req {
-                            self.serve_replay(req).await;
-                        }
-                        continue;
-                    }
-                },
-                None => rx.recv().await,
-            };
-            match cmd {
-                Some(Command::Publish(events)) => self.publish(events).await,
-                Some(Command::Fault(f)) => self.fault(f).await,
-                Some(Command::Close(done)) => {
-                    self.close().await;
-                    let _ = done.send(());
+            let (replay_ready, monitor_ready, subscription) = {
+                let mut items = vec![
+                    zmq::PollItem::from_fd(self.wake.as_raw_fd(), zmq::POLLIN),
+                    self.monitor.as_poll_item(zmq::POLLIN),
+                    self.pub_sock.as_poll_item(zmq::POLLIN),
+                ];
+                if let Some(r) = &self.replay {
+                    items.push(r.as_poll_item(zmq::POLLIN));
+                }
+                if zmq::poll(&mut items, POLL_MS).is_err() {
                     return;
                 }
-                None => break,
+                (
+                    items.get(3).is_some_and(|i| i.is_readable()),
+                    items[1].is_readable(),
+                    items[2].is_readable(),
+                )
+            };
+            let mut sink = [0u8; 256];
+            while matches!(self.wake.read(&mut sink), Ok(n) if n > 0) {}
+            loop {
+                match rx.try_recv() {
+                    Ok(Command::Publish(events)) => self.publish(events),
+                    Ok(Command::Fault(f)) => self.fault(f),
+                    Ok(Command::Close(done)) => {
+                        drop(self);
+                        let _ = done.send(());
+                        return;
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            if subscription {
+                while let Ok(m) = self.pub_sock.recv_bytes(zmq::DONTWAIT) {
+                    if m.first() == Some(&1) {
+                        self.stats.subscribers.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if monitor_ready {
+                self.watch_subscribers();
+            }
+            if replay_ready {
+                while let Ok(req) = self
+                    .replay
+                    .as_ref()
+                    .map_or(Err(zmq::Error::EAGAIN), |r| r.recv_multipart(zmq::DONTWAIT))
+                {
+                    self.serve_replay(req);
+                }
             }
         }
-        self.close().await;
     }
 
-    async fn close(self) {
-        let _ = self.pub_sock.close().await;
-        if let Some(r) = self.replay {
-            let _ = r.close().await;
+    /// A dropped connection takes its subscriber away (from the PUB socket's monitor).
+    fn watch_subscribers(&self) {
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let Some(head) = frames.first().filter(|h| h.len() >= 2) else {
+                continue;
+            };
+            if u16::from_ne_bytes([head[0], head[1]]) == zmq_sys_event::DISCONNECTED {
+                let _ = self.stats.subscribers.fetch_update(
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                    |n| n.checked_sub(1),
+                );
+            }
         }
     }
 
-    async fn publish(&mut self, events: Vec<CacheEvent>) {
+    fn publish(&mut self, events: Vec<CacheEvent>) {
         let seq = self.seq;
         self.seq += 1;
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -283,11 +409,11 @@ impl Task {
         if self.stalled {
             self.held.push_back((seq, payload, events));
         } else {
-            self.send_live(seq, payload, &events).await;
+            self.send_live(seq, payload, &events);
         }
     }
 
-    async fn send_live(&mut self, seq: u64, payload: Bytes, events: &[CacheEvent]) {
+    fn send_live(&mut self, seq: u64, payload: Bytes, events: &[CacheEvent]) {
         if std::mem::take(&mut self.drop_next) {
             return;
         }
@@ -299,15 +425,14 @@ impl Task {
         if let Some(d) = self.dump.as_mut() {
             d.write(self.cfg.topic.as_bytes(), seq, &payload, events);
         }
-        let mut msg = ZmqMessage::from(Bytes::from(self.cfg.topic.clone().into_bytes()));
-        msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
-        msg.push_back(payload);
-        if self.pub_sock.send(msg).await.is_ok() {
+        let frames: [&[u8]; 3] = [self.cfg.topic.as_bytes(), &seq.to_be_bytes(), &payload];
+        // A PUB socket never blocks: past its high-water mark it drops, as vLLM's does.
+        if self.pub_sock.send_multipart(frames, zmq::DONTWAIT).is_ok() {
             self.stats.sent.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    async fn fault(&mut self, f: KvFault) {
+    fn fault(&mut self, f: KvFault) {
         match f {
             KvFault::DropNext => self.drop_next = true,
             KvFault::CorruptNext => self.corrupt_next = true,
@@ -315,7 +440,7 @@ impl Task {
             KvFault::Resume => {
                 self.stalled = false;
                 while let Some((seq, payload, events)) = self.held.pop_front() {
-                    self.send_live(seq, payload, &events).await;
+                    self.send_live(seq, payload, &events);
                 }
             }
             KvFault::Restart => {
@@ -327,39 +452,41 @@ impl Task {
     }
 
     /// Answer one replay request: `(identity, b"", start_seq)`.
-    async fn serve_replay(&mut self, req: ZmqMessage) {
-        let frames = req.into_vec();
+    fn serve_replay(&mut self, frames: Vec<Vec<u8>>) {
         if frames.len() != 3 || frames[2].len() != 8 {
             return; // vLLM logs "Invalid replay request" and ignores it
         }
-        let (id, start) = (frames[0].clone(), &frames[2]);
-        let start = u64::from_be_bytes(start[..].try_into().expect("8 bytes"));
+        let id = &frames[0];
+        let start = u64::from_be_bytes(frames[2][..].try_into().expect("8 bytes"));
         self.stats.replays.fetch_add(1, Ordering::Relaxed);
-        let topic = Bytes::from(self.cfg.topic.clone().into_bytes());
+        let topic = self.cfg.topic.as_bytes();
         let with_topic = self.cfg.replay_topic_frame;
-        let Some(replay) = self.replay.as_mut() else {
+        let Some(replay) = self.replay.as_ref() else {
             return;
         };
-        let reply = |seq: Bytes, payload: Bytes| {
-            let mut m = ZmqMessage::from(id.clone());
-            m.push_back(Bytes::new());
+        let reply = |seq: &[u8], payload: &[u8]| {
+            let mut m: Vec<&[u8]> = vec![id, b""];
             if with_topic {
-                m.push_back(topic.clone());
+                m.push(topic);
             }
-            m.push_back(seq);
-            m.push_back(payload);
-            m
+            m.push(seq);
+            m.push(payload);
+            // A peer that went away is dropped silently by the ROUTER.
+            replay.send_multipart(m, zmq::DONTWAIT).is_ok()
         };
         for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
-            let m = reply(Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone());
-            if replay.send(m).await.is_err() {
+            if !reply(&seq.to_be_bytes(), payload) {
                 return;
             }
         }
-        let _ = replay
-            .send(reply(Bytes::from_static(&END_SEQ), Bytes::new()))
-            .await;
+        reply(&END_SEQ, b"");
     }
+}
+
+/// Monitor event numbers (`zmq.h`); the `zmq` crate's `SocketEvent::from_raw` panics on
+/// numbers it does not know, so the raw frame is read.
+mod zmq_sys_event {
+    pub const DISCONNECTED: u16 = 0x0200;
 }
 
 fn unix_ts() -> f64 {
