@@ -215,7 +215,12 @@ pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strate
                 load: w.load,
                 prefix: w.prefix,
             };
-            Box::new(Pipeline::new(weights, sessions, placement_rule(route)))
+            Box::new(Pipeline::new(
+                weights,
+                sessions,
+                placement_rule(route),
+                route.prompt_bytes_per_token,
+            ))
         }
         StrategyKind::LmcacheAware => Box::new(LmcacheAware),
         StrategyKind::PreciseCacheAware => Box::new(PreciseCacheAware::new(placement_rule(route))),
@@ -271,6 +276,7 @@ mod tests {
                     w,
                     Arc::new(SessionTable::new(10, 100)),
                     placement::PlacementRule::default(),
+                    4.0,
                 ))
             }),
             ("precise_cache_aware", || {

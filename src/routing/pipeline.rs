@@ -9,21 +9,27 @@
 //!    — reason `affinity`.
 //! 3. **Score** each remaining target:
 //!    `w_weight · key + w_load · load + w_prefix · prefix`, where
-//!    - `prefix` = the cache_aware score (longest cached prefix / prompt length),
-//!    - `load` = 1 − inflight / (max inflight among the filtered targets), 1 when all are idle,
+//!    - `prefix` = the cache_aware score (longest cached prefix / prompt length), counted
+//!      as the placement rule counts it (below `cache_threshold` and under 256 tokens: 0),
+//!    - `load` = −`load_cost_tokens` × (inflight − least inflight) / prompt tokens: the
+//!      placement rule's queue cost on the same scale as `prefix`, so with the default
+//!      weights (1, 1) the score is minus the placement rule's cost per prompt token,
 //!    - `key` = u^(1/weight) with u in (0, 1) drawn from a hash of the conversation (its
 //!      session id, else its first two messages) and the target's label — the
 //!      Efraimidis–Spirakis weighted sampling key made deterministic (weighted
 //!      rendezvous hashing): over many conversations a target wins cold ties with
 //!      probability weight / Σ weights, so `weight = 2` really means twice the traffic,
 //!      while one conversation's choice is the same on every gateway.
-//! 4. **Argmax** (exact ties broken by label order) — reason `scored`.
+//! 4. **Argmax** (exact ties broken by label order) — reason `scored`; when the winner is
+//!    truly overloaded (the placement rule's guard, twice the margin for a conversation's
+//!    own target), the argmax among targets within `balance_abs / 2` of the least loaded —
+//!    reason `overloaded`.
 //!
 //! When the request is routed, the prompt goes into the winner's trie and the session is
 //! pinned to the winner.
 
 use super::cache_aware::prefix_scores;
-use super::placement::{rendezvous, PlacementKeys, PlacementRule};
+use super::placement::{rendezvous, PlacementKeys, PlacementRule, CONTINUATION_MIN_TOKENS};
 use super::session::SessionTable;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 use std::sync::Arc;
@@ -40,13 +46,13 @@ pub struct PipelineWeights {
 }
 
 impl Default for PipelineWeights {
-    /// Prefix reuse matters most; load spreads cold traffic; the static weight biases
-    /// among otherwise equal targets without overriding a cache hit (its term ≤ 0.2,
+    /// Prefix and load on the placement rule's cost scale (weights 1, 1); the static weight
+    /// biases among nearly equal targets without overriding a cache hit (its term ≤ 0.2,
     /// while a warm prefix of a long prompt is worth up to 1.0).
     fn default() -> Self {
         PipelineWeights {
             static_weight: 0.2,
-            load: 0.5,
+            load: 1.0,
             prefix: 1.0,
         }
     }
@@ -58,20 +64,24 @@ pub struct Pipeline {
     weights: PipelineWeights,
     sessions: Arc<SessionTable>,
     guard: PlacementRule,
+    bytes_per_token: f64,
 }
 
 impl Pipeline {
-    /// A pipeline with these term weights, this (reload-surviving) session table and the
-    /// overload guard of `guard`.
+    /// A pipeline with these term weights, this (reload-surviving) session table, the
+    /// threshold, load cost and overload guard of `guard`, estimating tokens as prompt
+    /// bytes / `bytes_per_token`.
     pub fn new(
         weights: PipelineWeights,
         sessions: Arc<SessionTable>,
         guard: PlacementRule,
+        bytes_per_token: f64,
     ) -> Self {
         Pipeline {
             weights,
             sessions,
             guard,
+            bytes_per_token: bytes_per_token.max(f64::MIN_POSITIVE),
         }
     }
 
@@ -109,24 +119,19 @@ impl Strategy for Pipeline {
                 hint: None,
             });
         }
-        let max_load = fleet
-            .eligible()
-            .map(|i| fleet.candidates[i].inflight)
-            .max()
-            .unwrap_or(0);
-        let conversation = PlacementKeys::from_prompt(input.prompt)
-            .0
-            .with_session(input.session_id)
-            .conversation;
+        let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
+        let conversation = keys.with_session(input.session_id).conversation;
+        let tokens = (input.prompt.len() as f64 / self.bytes_per_token).max(1.0);
+        let first_tokens = first_len as f64 / self.bytes_per_token;
         let w = self.weights;
+        let lambda = self.guard.load_cost_tokens;
+        // (index, score, counted prefix fraction)
         let scored: Vec<(usize, f64, f64)> = prefix_scores(input.prompt, fleet)
             .map(|(i, prefix)| {
                 let c = &fleet.candidates[i];
-                let load = if max_load == 0 {
-                    1.0
-                } else {
-                    1.0 - c.inflight as f64 / max_load as f64
-                };
+                let cached = self.guard.counted(prefix * tokens, tokens);
+                let prefix = cached / tokens;
+                let load = -lambda * (c.inflight - min) as f64 / tokens;
                 let u = unit(rendezvous(conversation, c.label));
                 let key = u.powf(1.0 / f64::from(c.weight.max(1)));
                 (
@@ -136,17 +141,37 @@ impl Strategy for Pipeline {
                 )
             })
             .collect();
-        let best = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-        let target = scored
-            .iter()
-            .filter(|s| s.1 == best)
-            .max_by_key(|s| fleet.candidates[s.0].label)?
-            .0;
-        let prefix = scored.iter().find(|s| s.0 == target).map(|s| s.2);
+        let argmax = |among: &mut dyn Iterator<Item = &(usize, f64, f64)>| {
+            among
+                .max_by(|a, b| {
+                    a.1.total_cmp(&b.1)
+                        .then_with(|| fleet.candidates[a.0].label.cmp(fleet.candidates[b.0].label))
+                })
+                .copied()
+        };
+        let (mut target, _, mut prefix) = argmax(&mut scored.iter())?;
+        let mut reason = Reason::Scored;
+        let continuation = prefix * tokens - first_tokens > CONTINUATION_MIN_TOKENS;
+        let margin = self
+            .guard
+            .balance_abs
+            .saturating_mul(if continuation { 2 } else { 1 });
+        if self
+            .guard
+            .overloaded(fleet.candidates[target].inflight, min, margin)
+        {
+            let light = min + self.guard.balance_abs / 2;
+            (target, _, prefix) = argmax(
+                &mut scored
+                    .iter()
+                    .filter(|s| fleet.candidates[s.0].inflight <= light),
+            )?;
+            reason = Reason::Overloaded;
+        }
         Some(Decision {
             target,
-            reason: Reason::Scored,
-            score: prefix,
+            reason,
+            score: Some(prefix),
             hint: None,
         })
     }
@@ -205,6 +230,7 @@ mod tests {
             PipelineWeights::default(),
             Arc::new(SessionTable::new(10, 1000)),
             PlacementRule::default(),
+            4.0,
         )
     }
 
@@ -344,6 +370,7 @@ mod tests {
             },
             Arc::new(SessionTable::new(10, 10)),
             PlacementRule::default(),
+            4.0,
         );
         let c = fleet(&t, &[0, 0], &[1, 1], &[true, true]);
         for i in 0..50 {

@@ -41,7 +41,7 @@ use super::Reason;
 /// Default of `load_cost_tokens`: prefill tokens one more request in flight is worth.
 /// Chosen by measurement over the loadtest workloads (multi-turn with and without cache
 /// pressure, few-shot, 16 replicas; `loadtest/run.sh`, README "Routing quality").
-pub const DEFAULT_LOAD_COST_TOKENS: f64 = 300.0;
+pub const DEFAULT_LOAD_COST_TOKENS: f64 = 200.0;
 /// Default of `balance_abs`: requests in flight beyond the least-loaded target before a
 /// new conversation's best target counts as truly overloaded (twice that for a
 /// conversation's own target).
@@ -172,19 +172,27 @@ impl PlacementRule {
         let cost = |c: &Choice| (tokens - counted(c)) + lambda * (c.inflight - q_min) as f64;
         let best_cached = choices.iter().map(counted).fold(0.0, f64::max);
 
-        let mut pick = self.cheapest(ask, choices.iter(), &cost, &counted)?;
+        // A conversation's own target: it holds history beyond the first message that no
+        // other target has as much of. It keeps the conversation until truly overloaded;
+        // the cost model only places what is new.
+        let home = choices
+            .iter()
+            .filter(|c| counted(c) >= best_cached && best_cached > 0.0)
+            .max_by_key(|c| rendezvous(ask.keys.conversation, c.label))
+            .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS);
+        let (mut pick, margin) = match home {
+            Some(home) => (home, self.balance_abs.saturating_mul(2)),
+            None => (
+                self.cheapest(ask, choices.iter(), &cost, &counted)?,
+                self.balance_abs,
+            ),
+        };
         let mut reason = if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
             Reason::CacheHit
         } else {
             Reason::Overloaded
-        };
-        let continuation = counted(pick) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS;
-        let margin = if continuation {
-            self.balance_abs.saturating_mul(2)
-        } else {
-            self.balance_abs
         };
         if self.overloaded(pick.inflight, q_min, margin) {
             let light = q_min + self.balance_abs / 2;
@@ -203,6 +211,16 @@ impl PlacementRule {
             reason,
             score: counted(pick) / tokens,
         })
+    }
+
+    /// The cached tokens that count for a prompt of `tokens`: all of them when they cover
+    /// `threshold` of it or [`ALWAYS_COUNTED_TOKENS`], else none.
+    pub fn counted(&self, cached: f64, tokens: f64) -> f64 {
+        if cached / tokens.max(1.0) >= self.threshold || cached >= ALWAYS_COUNTED_TOKENS {
+            cached.min(tokens)
+        } else {
+            0.0
+        }
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -264,6 +282,14 @@ mod tests {
 
     const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
 
+    /// The default rule with λ = 300, the value these cases are worked out for.
+    fn rule() -> PlacementRule {
+        PlacementRule {
+            load_cost_tokens: 300.0,
+            ..Default::default()
+        }
+    }
+
     fn choices(loads: &[u64], cached: &[f64]) -> Vec<Choice<'static>> {
         loads
             .iter()
@@ -291,7 +317,7 @@ mod tests {
 
     #[test]
     fn the_warm_target_wins_until_its_queue_costs_more_than_the_prefill() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // A 2,000-token prompt cached on 0 only: 0 keeps it while 2,000 tokens of prefill
         // outweigh λ × the extra queue.
         for extra in 0..=5 {
@@ -308,17 +334,18 @@ mod tests {
 
     #[test]
     fn a_short_cached_prefix_is_worth_less_than_a_queue() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // 400 cached tokens vs 3 more in flight (900 tokens of queue, more than the
         // 400 saved plus the band's one request): go elsewhere.
+        // (A new conversation: the cached part is within its first message.)
         let c = choices(&[3, 0], &[400.0, 0.0]);
-        let p = rule.place(&ask(500.0, 100.0, 1), &c).unwrap();
+        let p = rule.place(&ask(500.0, 450.0, 1), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
     }
 
     #[test]
     fn a_conversation_keeps_its_target_longer_than_a_new_one() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // Target 0 holds the system prompt (1,000) plus 4,000 tokens of this
         // conversation's history; 8 beyond the least loaded is within 2 × 6.
         let c = choices(&[8, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
@@ -337,7 +364,7 @@ mod tests {
 
     #[test]
     fn the_relative_guard_holds_at_high_load() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // 20 vs 16: more than 6 beyond? no. 30 vs 22: 8 beyond but not > 1.3 × 22.
         assert!(!rule.overloaded(20, 16, 6));
         assert!(!rule.overloaded(28, 22, 6));
@@ -348,7 +375,7 @@ mod tests {
 
     #[test]
     fn a_trivial_shared_start_does_not_pin() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // 40 of 1,000 tokens (the chat template) is below the 0.5 threshold.
         let c = choices(&[0, 0, 0], &[40.0, 0.0, 0.0]);
         let p = rule.place(&ask(1000.0, 500.0, 9), &c).unwrap();
@@ -358,7 +385,7 @@ mod tests {
 
     #[test]
     fn cold_placement_is_deterministic_by_the_group_key_and_spreads_groups() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         let c = choices(&[0, 0, 0, 0], &[0.0; 4]);
         let mut homes = [0usize; 4];
         for group in 0..400u64 {
@@ -378,7 +405,7 @@ mod tests {
 
     #[test]
     fn conversations_spread_over_the_targets_holding_their_group() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // 0 and 1 hold the 2,000-token system prompt, 2 and 3 do not.
         let c = choices(&[3, 3, 0, 0], &[2000.0, 2000.0, 0.0, 0.0]);
         let mut seen = [0usize; 4];
@@ -399,7 +426,7 @@ mod tests {
 
     #[test]
     fn within_the_band_the_target_holding_more_history_wins() {
-        let rule = PlacementRule::default();
+        let rule = rule();
         // 1 holds 100 more tokens (a short history) and has one more in flight: the band
         // (λ = 300) ties them, and the history decides, whatever the key.
         let c = choices(&[0, 1], &[2000.0, 2100.0]);

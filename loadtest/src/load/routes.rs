@@ -1,13 +1,17 @@
 //! The routing file `compare` writes for rolter: one provider per simulated replica, one route.
 //!
 //! Owns the TOML text only (no I/O). `precise_cache_aware` gets `[providers.kv_events]`,
-//! `lmcache_aware` gets `[providers.lmcache]` and `cache_aware` gets each provider's
-//! `kv_cache_tokens` (the replica's cache size, which sizes its prefix trie); other strategies
-//! get none of these.
+//! `lmcache_aware` gets `[providers.lmcache]` and `cache_aware` and `pipeline` get each
+//! provider's `kv_cache_tokens` (the replica's cache size, which sizes their prefix tries); other
+//! strategies get none of these.
 
 use std::fmt::Write as _;
 
 use crate::fleet::FleetHandle;
+
+/// Prompt bytes per token of the simulator's workloads (`workload.rs` words: 2-3 two-byte
+/// syllables and a space, one token each).
+pub const SIM_BYTES_PER_TOKEN: f64 = 6.0;
 
 /// The routing TOML for `strategy` over `fleet`, route alias `model`.
 pub fn routes_toml(
@@ -35,7 +39,7 @@ pub fn routes_toml_with(
             r.index,
             r.base_url()
         );
-        if strategy == "cache_aware" {
+        if strategy == "cache_aware" || strategy == "pipeline" {
             // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
             let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
         }
@@ -61,6 +65,14 @@ pub fn routes_toml_with(
         s,
         "\n[[routes]]\nmodel = \"{model}\"\nstrategy = \"{strategy}\"\n"
     );
+    let overridden = route_options
+        .iter()
+        .any(|l| l.trim_start().starts_with("prompt_bytes_per_token"));
+    if (strategy == "cache_aware" || strategy == "pipeline") && !overridden {
+        // What an operator sets for their traffic: the simulator's pseudo-words are one
+        // token of 4-6 bytes plus a space each.
+        let _ = writeln!(s, "prompt_bytes_per_token = {SIM_BYTES_PER_TOKEN:?}");
+    }
     for line in route_options {
         let _ = writeln!(s, "{line}");
     }
