@@ -25,6 +25,13 @@ use std::time::Duration;
 /// (see [`LingerOnShutdown`]); below the shipped `grace_period_seconds`.
 const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
 
+/// Grace periods when no `-c` YAML is given: pingora's own defaults (300 s grace, then
+/// 5 s for runtimes to exit) made `rolter --demo` and any ad-hoc run take five minutes to
+/// stop on SIGTERM. Above [`SHUTDOWN_LINGER`]; a deployment sets its own in the YAML
+/// (`conf/pingora.yaml`: 10 s and 20 s).
+const NO_CONF_GRACE_PERIOD_S: u64 = 2;
+const NO_CONF_SHUTDOWN_TIMEOUT_S: u64 = 2;
+
 /// Default listen address of the proxy port.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
 
@@ -64,7 +71,15 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         println!("{}: routing file ok", cli.routes.display());
     }
     let runtime = Arc::new(runtime);
+    let no_conf = cli.pingora.conf.is_none();
     let mut server = Server::new(Some(cli.pingora)).map_err(|e| e.to_string())?;
+    if no_conf {
+        let conf = Arc::get_mut(&mut server.configuration)
+            .ok_or("pingora's server configuration is already shared")?;
+        conf.grace_period_seconds.get_or_insert(NO_CONF_GRACE_PERIOD_S);
+        conf.graceful_shutdown_timeout_seconds
+            .get_or_insert(NO_CONF_SHUTDOWN_TIMEOUT_S);
+    }
     // Exits the process after checking pingora's YAML when `-t` was given.
     server.bootstrap();
     let gateway = Gateway::new(runtime.clone(), &server.configuration);
