@@ -31,11 +31,34 @@ pub enum GatewayError {
     /// The client went away; nothing can be sent.
     #[error("client disconnected: {0}")]
     ClientGone(String),
+    /// A write to the client blocked past `limits.client_write_timeout_ms`: it stopped
+    /// reading (a stalled or hostile reader); the exchange is cut.
+    #[error("client stopped reading: {0}")]
+    ClientWriteTimeout(String),
 }
 
 impl GatewayError {
     /// [`GatewayError::kind`] of [`GatewayError::ClientGone`].
     pub const CLIENT_GONE: &'static str = "client_disconnect";
+    /// [`GatewayError::kind`] of [`GatewayError::ClientWriteTimeout`].
+    pub const CLIENT_WRITE_TIMEOUT: &'static str = "client_write_timeout";
+
+    /// A failed write to the client: it stopped reading (the write timed out), or it left.
+    pub fn client_write(e: &pingora::Error) -> Self {
+        if e.etype() == &pingora::ErrorType::WriteTimedout {
+            GatewayError::ClientWriteTimeout(e.to_string())
+        } else {
+            GatewayError::ClientGone(e.to_string())
+        }
+    }
+
+    /// Whether the client can be told nothing more (it left, or stopped reading).
+    pub fn client_unreachable(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::ClientGone(_) | GatewayError::ClientWriteTimeout(_)
+        )
+    }
 
     /// HTTP status for the client.
     pub fn status(&self) -> u16 {
@@ -51,7 +74,7 @@ impl GatewayError {
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
             GatewayError::UpstreamTimeout { .. } => 504,
             // 499 (nginx's "client closed request") is only ever logged, never sent.
-            GatewayError::ClientGone(_) => 499,
+            GatewayError::ClientGone(_) | GatewayError::ClientWriteTimeout(_) => 499,
         }
     }
 
@@ -69,6 +92,7 @@ impl GatewayError {
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::ClientGone(_) => Self::CLIENT_GONE,
+            GatewayError::ClientWriteTimeout(_) => Self::CLIENT_WRITE_TIMEOUT,
         }
     }
 

@@ -292,7 +292,7 @@ impl Gateway {
                 Ok(o) if o.status >= 500 => Outcome::Failure,
                 Ok(_) => Outcome::Success,
                 Err(ExchangeError::Retryable(_)) => Outcome::Failure,
-                Err(ExchangeError::Final(GatewayError::ClientGone(_))) => Outcome::Abandoned,
+                Err(ExchangeError::Final(e)) if e.client_unreachable() => Outcome::Abandoned,
                 Err(ExchangeError::Final(_)) => Outcome::Failure,
             };
             now_instant = match &result {
@@ -390,7 +390,7 @@ async fn respond(
     body: Bytes,
     extra: &[(&'static str, &str)],
 ) -> Result<(), GatewayError> {
-    let gone = |e: Box<pingora::Error>| GatewayError::ClientGone(e.to_string());
+    let gone = |e: Box<pingora::Error>| GatewayError::client_write(&e);
     let mut h = ResponseHeader::build(status, Some(3 + extra.len())).map_err(gone)?;
     h.insert_header(http::header::CONTENT_TYPE, content_type)
         .map_err(gone)?;
@@ -445,7 +445,7 @@ impl ProxyHttp for Gateway {
         let answered = session
             .response_written()
             .is_some_and(|h| !h.status.is_informational());
-        if matches!(e, GatewayError::ClientGone(_)) || answered {
+        if e.client_unreachable() || answered {
             // Nothing more can be said to this client; make pingora drop the connection. A
             // downstream write error is one pingora answers nothing to (its default
             // `fail_to_proxy` would otherwise try a bare 500 on a connection already used).
@@ -479,16 +479,19 @@ impl ProxyHttp for Gateway {
         Ok(true)
     }
 
-    /// A client that left is routine, not a gateway error: it is counted
-    /// (`rolter_request_errors_total{kind="client_disconnect"}`) and in the access line, and
-    /// pingora's own `ERROR` line for it is left out.
+    /// A client that left or stopped reading is routine, not a gateway error: it is counted
+    /// (`rolter_request_errors_total{kind="client_disconnect"}` or `"client_write_timeout"`)
+    /// and in the access line, and pingora's own `ERROR` line for it is left out.
     fn suppress_error_log(
         &self,
         _session: &Session,
         ctx: &RequestCtx,
         _e: &pingora::Error,
     ) -> bool {
-        ctx.error == Some(GatewayError::CLIENT_GONE)
+        matches!(
+            ctx.error,
+            Some(GatewayError::CLIENT_GONE | GatewayError::CLIENT_WRITE_TIMEOUT)
+        )
     }
 
     async fn upstream_peer(

@@ -157,7 +157,7 @@ pub async fn exchange(
     session
         .write_response_header(Box::new(header), no_body)
         .await
-        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+        .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
 
     // Stream the body through as it arrives: SSE chunks are never held back.
     while !no_body && !http.is_body_done() {
@@ -171,7 +171,7 @@ pub async fn exchange(
         session
             .write_response_body(Some(chunk), false)
             .await
-            .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+            .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     }
     // The upstream is done with: its connection goes back before the last write to a client
     // that may be slow. pingora's keep-alive rules (response version and `connection`
@@ -184,7 +184,7 @@ pub async fn exchange(
     session
         .write_response_body(None, true)
         .await
-        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+        .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     Ok(ExchangeOutcome {
         status,
         ttfb,
