@@ -1,5 +1,8 @@
-//! Misbehaving upstreams and clients that stop reading, through the real gateway: a
-//! client that stops reading a long answer is cut and counted under its own kind.
+//! Misbehaving upstreams and clients that stop reading, through the real gateway: an
+//! upstream that answers only `100 Continue` (fast, or just often enough to beat a
+//! per-read timeout), one that answers `101 Switching Protocols` and then raw bytes, and a
+//! client that stops reading a long answer. Each is answered in OpenAI's error shape (or
+//! cut) and counted under its own kind.
 
 mod common;
 
@@ -8,7 +11,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -112,6 +115,95 @@ async fn chat(gw: &Gateway) -> (u16, serde_json::Value, String) {
 async fn errors_of(gw: &Gateway, kind: &str) -> Option<f64> {
     gw.metric(&format!("rolter_request_errors_total{{kind=\"{kind}\"}}"))
         .await
+}
+
+/// An upstream that answers every request with `100 Continue`, every `every`, forever.
+async fn continue_forever(every: Duration) -> ScriptedUpstream {
+    ScriptedUpstream::start(move |mut conn| async move {
+        while conn
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .is_ok()
+        {
+            tokio::time::sleep(every).await;
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_flooding_100_continue_is_a_502_after_a_few() {
+    let up = continue_forever(Duration::from_millis(5)).await;
+    let gw = Gateway::start(&routes_toml(
+        &[up.url()],
+        "round_robin",
+        "[limits]\nread_timeout_ms = 5000\n",
+    ))
+    .await;
+    let started = Instant::now();
+    let (status, json, text) = chat(&gw).await;
+    assert_eq!(status, 502, "{text}");
+    assert_eq!(json["error"]["code"], "upstream_broken", "{text}");
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("informational"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered after {:?}: the 1xx were not bounded",
+        started.elapsed()
+    );
+    assert_eq!(errors_of(&gw, "upstream_broken").await, Some(1.0));
+    assert_eq!(up.scripted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_sending_100_continue_within_each_read_timeout_is_a_504_at_the_head_deadline()
+{
+    // Every 300 ms: each read is well within the 1 s read timeout, and 1 s holds fewer
+    // 1xx than the count bound, so only a deadline on the whole head ends it.
+    let up = continue_forever(Duration::from_millis(300)).await;
+    let gw = Gateway::start(&routes_toml(
+        &[up.url()],
+        "round_robin",
+        "[limits]\nread_timeout_ms = 1000\n",
+    ))
+    .await;
+    let started = Instant::now();
+    let (status, json, text) = chat(&gw).await;
+    let took = started.elapsed();
+    assert_eq!(status, 504, "{text}");
+    assert_eq!(json["error"]["code"], "upstream_timeout", "{text}");
+    assert_eq!(json["error"]["type"], "upstream_error", "{text}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "answered after {took:?}"
+    );
+    assert_eq!(errors_of(&gw, "upstream_timeout").await, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_101_from_an_upstream_is_a_502_and_what_follows_is_never_relayed() {
+    let up = ScriptedUpstream::start(|mut conn| async move {
+        let _ = conn
+            .write_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n\
+                  HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nINJECTED",
+            )
+            .await;
+        // Hold the connection open: a relayed upgrade would wait for more.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    })
+    .await;
+    let gw = Gateway::start(&routes_toml(&[up.url()], "round_robin", "")).await;
+    let (status, json, text) = chat(&gw).await;
+    assert_eq!(status, 502, "{text}");
+    assert_eq!(json["error"]["code"], "upstream_broken", "{text}");
+    assert!(!text.contains("INJECTED"), "{text}");
+    assert_eq!(errors_of(&gw, "upstream_broken").await, Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use serde::Deserialize;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 /// Default TCP connect timeout to an upstream.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
-/// Default idle read timeout on an upstream response (header or between body chunks).
+/// Default read timeout on an upstream response (the whole header, or between body chunks).
 /// Long: a non-streaming completion of a long prompt can take minutes of prefill + decode.
 pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 /// Default time a client has to send the whole request body (slow-body defence).
@@ -389,7 +389,8 @@ pub struct LimitsConfig {
     pub max_body_bytes: usize,
     /// TCP connect timeout to an upstream.
     pub connect_timeout_ms: u64,
-    /// Idle read timeout on the upstream response; exceeded gives 504.
+    /// Read timeout on the upstream response: for the whole response head (1xx
+    /// included), then between body chunks; exceeded gives 504.
     pub read_timeout_ms: u64,
     /// Time a client has to deliver its request body.
     pub client_body_timeout_ms: u64,

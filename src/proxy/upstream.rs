@@ -278,16 +278,54 @@ async fn send_and_read_head(
     }))
 }
 
-/// Read the response head, skipping informational (1xx) responses (vLLM sends none, others
-/// may); 101 is final.
+/// Most informational (1xx) responses accepted ahead of the final one. vLLM sends none; a
+/// well-behaved server sends one `100 Continue` or a few `103 Early Hints`. An upstream
+/// that keeps sending them is broken (and each costs a header parse).
+const MAX_INFORMATIONAL: usize = 8;
+
+/// Read the final response head, skipping informational (1xx) responses. The whole head,
+/// 1xx responses included, must arrive within the session's read timeout: that timeout is
+/// otherwise per read, and an upstream sending `100 Continue` (or a byte of header) just
+/// often enough would hold the request forever. One timer either way: the per-read one is
+/// off while the head's deadline runs, and back on for the body.
+///
+/// A `101 Switching Protocols` is an upstream fault: rolter never asks for an upgrade (it
+/// does not forward `Upgrade`), and relaying one would hand the client whatever raw bytes
+/// follow as if they were a second response.
 async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
-    loop {
-        s.read_response().await?;
-        let status = s.get_status().map_or(0, |s| s.as_u16());
-        if !(100..200).contains(&status) || status == 101 {
-            return Ok(());
+    let read_timeout = s.read_timeout.take();
+    let head = async {
+        for _ in 0..=MAX_INFORMATIONAL {
+            s.read_response().await?;
+            match s.get_status().map_or(0, |s| s.as_u16()) {
+                101 => {
+                    return Error::e_explain(
+                        ErrorType::InvalidHTTPHeader,
+                        "101 Switching Protocols to a request that asked for no upgrade",
+                    )
+                }
+                100..=199 => continue,
+                _ => return Ok(()),
+            }
         }
-    }
+        Error::e_explain(
+            ErrorType::InvalidHTTPHeader,
+            format!("more than {MAX_INFORMATIONAL} informational (1xx) responses"),
+        )
+    };
+    let result = match read_timeout {
+        Some(limit) => pingora::time::timeout(limit, head)
+            .await
+            .unwrap_or_else(|_| {
+                Error::e_explain(
+                    ErrorType::ReadTimedout,
+                    format!("no final response header within {} ms", limit.as_millis()),
+                )
+            }),
+        None => head.await,
+    };
+    s.read_timeout = read_timeout;
+    result
 }
 
 /// Write the encoded request on a pooled or fresh connection and hand back a client
