@@ -76,7 +76,8 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     if no_conf {
         let conf = Arc::get_mut(&mut server.configuration)
             .ok_or("pingora's server configuration is already shared")?;
-        conf.grace_period_seconds.get_or_insert(NO_CONF_GRACE_PERIOD_S);
+        conf.grace_period_seconds
+            .get_or_insert(NO_CONF_GRACE_PERIOD_S);
         conf.graceful_shutdown_timeout_seconds
             .get_or_insert(NO_CONF_SHUTDOWN_TIMEOUT_S);
     }

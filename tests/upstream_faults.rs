@@ -161,8 +161,7 @@ async fn an_upstream_flooding_100_continue_is_a_502_after_a_few() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upstream_sending_100_continue_within_each_read_timeout_is_a_504_at_the_head_deadline()
-{
+async fn an_upstream_sending_100_continue_within_each_read_timeout_is_a_504_at_the_head_deadline() {
     // Every 300 ms: each read is well within the 1 s read timeout, and 1 s holds fewer
     // 1xx than the count bound, so only a deadline on the whole head ends it.
     let up = continue_forever(Duration::from_millis(300)).await;
