@@ -854,3 +854,40 @@ async fn global_inflight_cap_refuses_with_503_and_idle_clients_are_closed() {
         "closed after {idle:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_the_client_marks_hop_by_hop_stay_here_and_x_forwarded_for_is_appended() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
+    let body = chat("hop by hop");
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(
+        &body,
+        "Connection: keep-alive, X-Internal-Token\r\nX-Internal-Token: secret\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nX-Forwarded-For: 203.0.113.9\r\nX-Kept: yes",
+    ))
+    .await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    let rec = stub.recorded();
+    assert_eq!(rec.len(), 1);
+    let h = &rec[0].headers;
+    for gone in ["x-internal-token", "http2-settings", "connection"] {
+        assert!(h.get(gone).is_none(), "{gone} forwarded: {h:?}");
+    }
+    assert_eq!(h["x-kept"], "yes");
+    let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+    assert_eq!(xff, ["203.0.113.9, 127.0.0.1"], "{h:?}");
+
+    // `[forwarding] x_forwarded_for = "replace"`: only the client's own address.
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[forwarding]\nx_forwarded_for = \"replace\"\n",
+    ))
+    .await;
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(&body, "X-Forwarded-For: 203.0.113.9")).await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    let rec = stub.recorded();
+    let xff: Vec<_> = rec[1].headers.get_all("x-forwarded-for").iter().collect();
+    assert_eq!(xff, ["127.0.0.1"]);
+}

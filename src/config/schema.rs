@@ -60,6 +60,9 @@ pub struct Config {
     /// Which hosts and addresses the gateway may contact on its own (see `egress`).
     #[serde(default)]
     pub egress: EgressConfig,
+    /// Headers rolter adds to the requests it forwards.
+    #[serde(default)]
+    pub forwarding: ForwardingConfig,
 }
 
 /// The kind of upstream API a provider speaks.
@@ -379,6 +382,29 @@ pub struct TargetConfig {
 
 fn default_weight() -> u32 {
     1
+}
+
+/// `[forwarding]`: what rolter tells an upstream about the client.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ForwardingConfig {
+    /// What to send upstream as `X-Forwarded-For`.
+    pub x_forwarded_for: XForwardedFor,
+}
+
+/// `forwarding.x_forwarded_for`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum XForwardedFor {
+    /// The client's list, if it sent one, with the client's address appended (nginx's
+    /// `$proxy_add_x_forwarded_for`).
+    #[default]
+    Append,
+    /// Only the client's address: rolter is the first proxy, and whatever list a client
+    /// sends is dropped.
+    Replace,
+    /// The client's header as sent, if any; rolter adds nothing.
+    Off,
 }
 
 /// Size and time limits.

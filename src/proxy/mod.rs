@@ -199,6 +199,13 @@ impl Gateway {
         model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
+        let client = upstream::ClientInfo {
+            x_forwarded_for: table.forwarding.x_forwarded_for,
+            addr: session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip().to_canonical()),
+        };
         let mut excluded = Vec::new();
         let mut last_error = None;
         // The clock as of the last step: read once per attempt, not per use.
@@ -252,6 +259,7 @@ impl Gateway {
                 &target.host,
                 &target.base_path,
                 body.len() - model_span.len() + quoted_model.len(),
+                client,
             );
             let up = Upstream {
                 peer: &target.peer,

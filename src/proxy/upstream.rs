@@ -11,6 +11,7 @@ use super::admission::BodyBytes;
 use super::error::GatewayError;
 use super::framing::BodyBuf;
 use super::pool::{IdleStack, UpstreamPool};
+use crate::config::XForwardedFor;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::Stream;
@@ -18,13 +19,16 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType, RetryType};
 use std::io::Write as _;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), those the gateway sets itself, and its own
-/// routing hints. The token-id header is the gateway's alone and can be hundreds of KB:
-/// vLLM behind uvicorn/h11 refuses a header section over 16 KiB, and a forwarded one
-/// would turn a long prompt's routing hint into a failed request.
+/// Hop-by-hop headers (RFC 9110 §7.6.1, plus `http2-settings`, RFC 7540 §3.2.1, and the
+/// non-standard `proxy-connection`), those the gateway sets itself, and its own routing
+/// hints. The token-id header is the gateway's alone and can be hundreds of KB: vLLM behind
+/// uvicorn/h11 refuses a header section over 16 KiB, and a forwarded one would turn a long
+/// prompt's routing hint into a failed request. Headers the client's `Connection` header
+/// names are dropped too ([`HopByHop`]).
 const NOT_FORWARDED_REQUEST: &[&str] = &[
     crate::prompt::TOKEN_IDS_HEADER,
     "connection",
@@ -35,10 +39,13 @@ const NOT_FORWARDED_REQUEST: &[&str] = &[
     "trailer",
     "transfer-encoding",
     "upgrade",
+    "http2-settings",
     "expect",
     "host",
     "content-length",
 ];
+/// The de facto standard header carrying the client address chain (`[forwarding]`).
+const X_FORWARDED_FOR: &str = "x-forwarded-for";
 const NOT_FORWARDED_RESPONSE: &[&str] =
     &["connection", "keep-alive", "proxy-connection", "upgrade"];
 
@@ -86,10 +93,59 @@ pub struct Upstream<'a> {
     pub idle_timeout: Duration,
 }
 
+/// What the upstream is told about the client: `X-Forwarded-For` per `[forwarding]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientInfo {
+    pub x_forwarded_for: XForwardedFor,
+    /// The client's address (none on a Unix socket).
+    pub addr: Option<IpAddr>,
+}
+
+/// The request headers not forwarded: [`NOT_FORWARDED_REQUEST`] and the names the client's
+/// `Connection` header lists (RFC 9110 §7.6.1: the sender marks them hop-by-hop).
+struct HopByHop {
+    /// Listed names not in the fixed list, lowercased and sorted; empty (no allocation)
+    /// for the usual `Connection: keep-alive` or `close`. Sorted so that a header section
+    /// naming thousands of them costs a binary search per header, not a scan.
+    listed: Vec<String>,
+}
+
+impl HopByHop {
+    fn of(client: &RequestHeader) -> Self {
+        let mut listed = Vec::new();
+        for value in client.headers.get_all(http::header::CONNECTION) {
+            for token in value.as_bytes().split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                if token.is_empty()
+                    || NOT_FORWARDED_REQUEST
+                        .iter()
+                        .any(|n| n.as_bytes().eq_ignore_ascii_case(token))
+                {
+                    continue;
+                }
+                listed.push(String::from_utf8_lossy(token).to_ascii_lowercase());
+            }
+        }
+        listed.sort_unstable();
+        listed.dedup();
+        HopByHop { listed }
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        NOT_FORWARDED_REQUEST.contains(&name)
+            || (!self.listed.is_empty()
+                && self
+                    .listed
+                    .binary_search_by(|l| l.as_str().cmp(name))
+                    .is_ok())
+    }
+}
+
 /// The upstream request head for a body of `body_len` bytes (after the model rewrite): the
-/// client's method and path under `base_path`, its end-to-end headers, `host` and
-/// `content-length`. The caller puts the body right behind it (`framing::BodyBuf`), so the
-/// request leaves in one write (one TCP segment on loopback instead of two).
+/// client's method and path under `base_path`, its end-to-end headers, `x-forwarded-for`
+/// (per `client`), `host` and `content-length`. The caller puts the body right behind it
+/// (`framing::BodyBuf`), so the request leaves in one write (one TCP segment on loopback
+/// instead of two).
 ///
 /// Every piece comes from an already validated source: the method, URI and header
 /// names/values were parsed by pingora (an `http` type holds no CR, LF or NUL, and a
@@ -99,13 +155,24 @@ pub fn encode_head(
     host: &str,
     base_path: &str,
     body_len: usize,
+    info: ClientInfo,
 ) -> Vec<u8> {
+    let hop = HopByHop::of(client);
+    let xff = X_FORWARDED_FOR;
+    // Under `append` and `replace` the client's own list is not copied as it stands.
+    let rewrite_xff = info.x_forwarded_for != XForwardedFor::Off;
+    let forwarded = |name: &http::HeaderName| {
+        !hop.contains(name.as_str()) && !(rewrite_xff && name.as_str() == xff)
+    };
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
     for (name, value) in client.headers.iter() {
-        if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
+        if forwarded(name) || name.as_str() == xff {
             head_len += name.as_str().len() + value.len() + 4;
         }
+    }
+    if rewrite_xff {
+        head_len += 64;
     }
     let mut out = Vec::with_capacity(head_len);
     let mut put = |parts: &[&[u8]]| parts.iter().for_each(|p| out.extend_from_slice(p));
@@ -117,11 +184,32 @@ pub fn encode_head(
         b" HTTP/1.1\r\n",
     ]);
     for (name, value) in client.headers.iter() {
-        if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
+        if forwarded(name) {
             put(&[name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
         }
     }
-    put(&[b"host: ", host.as_bytes(), b"\r\ncontent-length: "]);
+    if rewrite_xff {
+        let mut first = true;
+        if info.x_forwarded_for == XForwardedFor::Append && !hop.contains(xff) {
+            for value in client.headers.get_all(xff) {
+                let sep: &[u8] = if first { b"x-forwarded-for: " } else { b", " };
+                put(&[sep, value.as_bytes()]);
+                first = false;
+            }
+        }
+        if let Some(ip) = info.addr {
+            let sep: &[u8] = if first { b"x-forwarded-for: " } else { b", " };
+            put(&[sep]);
+            write!(out, "{ip}").expect("writing to a Vec cannot fail");
+            first = false;
+        }
+        if !first {
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+    out.extend_from_slice(b"host: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\ncontent-length: ");
     write!(out, "{body_len}\r\n\r\n").expect("writing to a Vec cannot fail");
     out
 }
@@ -446,7 +534,11 @@ mod tests {
         assert_eq!(&body[span.clone()], br#""alias""#);
         let quoted = crate::prompt::quote_model("org/m \"q\"");
         let len = body.len() - span.len() + quoted.len();
-        let head = encode_head(&client, "10.0.0.7:8000", "/base", len);
+        let info = ClientInfo {
+            x_forwarded_for: XForwardedFor::Off,
+            addr: None,
+        };
+        let head = encode_head(&client, "10.0.0.7:8000", "/base", len, info);
         let mut buf = super::super::framing::BodyBuf::with_capacity(body.len());
         buf.extend(body);
         let out = buf.frame(&head, span, quoted.as_bytes()).unwrap().to_vec();
@@ -477,6 +569,95 @@ mod tests {
         ] {
             assert_eq!(get(gone), None, "{gone} forwarded");
         }
+    }
+
+    /// The header lines of an encoded head, in order (name lowercased, value as sent).
+    fn header_lines(head: &[u8]) -> Vec<(String, String)> {
+        let text = std::str::from_utf8(head).unwrap();
+        text.split("\r\n")
+            .skip(1)
+            .filter_map(|l| l.split_once(": "))
+            .map(|(k, v)| (k.to_ascii_lowercase(), v.to_string()))
+            .collect()
+    }
+
+    fn request_with(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut client = RequestHeader::build("POST", b"/v1/chat/completions", None).unwrap();
+        for (k, v) in headers {
+            client.append_header(k.to_string(), *v).unwrap();
+        }
+        client
+    }
+
+    fn off() -> ClientInfo {
+        ClientInfo {
+            x_forwarded_for: XForwardedFor::Off,
+            addr: None,
+        }
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_not_forwarded() {
+        let client = request_with(&[
+            ("connection", "keep-alive, X-Secret,x-other , Keep-Alive"),
+            ("connection", "x-third"),
+            ("x-secret", "s"),
+            ("X-Other", "o"),
+            ("x-third", "t"),
+            ("http2-settings", "AAMAAABkAAQAAP__"),
+            ("x-kept", "k"),
+            ("authorization", "Bearer k"),
+        ]);
+        let lines = header_lines(&encode_head(&client, "u:1", "", 0, off()));
+        let names: Vec<&str> = lines.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["x-kept", "authorization", "host", "content-length"]);
+    }
+
+    #[test]
+    fn x_forwarded_for_appends_replaces_or_passes_the_clients_list() {
+        let with_list = request_with(&[
+            ("x-forwarded-for", "203.0.113.9"),
+            ("x-forwarded-for", "10.0.0.1, 10.0.0.2"),
+            ("x-kept", "k"),
+        ]);
+        let bare = request_with(&[("x-kept", "k")]);
+        let v4: IpAddr = "192.0.2.7".parse().unwrap();
+        let v6: IpAddr = "2001:db8::1".parse().unwrap();
+        let xff = |client: &RequestHeader, mode, addr| {
+            let info = ClientInfo {
+                x_forwarded_for: mode,
+                addr,
+            };
+            let lines = header_lines(&encode_head(client, "u:1", "", 0, info));
+            let values: Vec<String> = lines
+                .iter()
+                .filter(|(k, _)| k == "x-forwarded-for")
+                .map(|(_, v)| v.clone())
+                .collect();
+            assert!(lines.iter().any(|(k, _)| k == "x-kept"));
+            values
+        };
+        use XForwardedFor::*;
+        assert_eq!(
+            xff(&with_list, Append, Some(v4)),
+            ["203.0.113.9, 10.0.0.1, 10.0.0.2, 192.0.2.7"]
+        );
+        assert_eq!(xff(&bare, Append, Some(v6)), ["2001:db8::1"]);
+        assert_eq!(xff(&bare, Append, None), Vec::<String>::new());
+        assert_eq!(xff(&with_list, Replace, Some(v4)), ["192.0.2.7"]);
+        assert_eq!(xff(&with_list, Replace, None), Vec::<String>::new());
+        assert_eq!(
+            xff(&with_list, Off, Some(v4)),
+            ["203.0.113.9", "10.0.0.1, 10.0.0.2"]
+        );
+        // A client that marks its own list hop-by-hop does not get it forwarded.
+        let hop = request_with(&[
+            ("connection", "x-forwarded-for"),
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-kept", "k"),
+        ]);
+        assert_eq!(xff(&hop, Append, Some(v4)), ["192.0.2.7"]);
+        assert_eq!(xff(&hop, Off, Some(v4)), Vec::<String>::new());
     }
 
     #[test]
