@@ -885,7 +885,8 @@ async fn headers_the_client_marks_hop_by_hop_stay_here_and_x_forwarded_for_is_ap
     ))
     .await;
     let mut conn = Raw::connect(gw.port).await;
-    conn.send(&post(&body, "X-Forwarded-For: 203.0.113.9")).await;
+    conn.send(&post(&body, "X-Forwarded-For: 203.0.113.9"))
+        .await;
     assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
     let rec = stub.recorded();
     let xff: Vec<_> = rec[1].headers.get_all("x-forwarded-for").iter().collect();

@@ -162,7 +162,7 @@ pub fn encode_head(
     // Under `append` and `replace` the client's own list is not copied as it stands.
     let rewrite_xff = info.x_forwarded_for != XForwardedFor::Off;
     let forwarded = |name: &http::HeaderName| {
-        !hop.contains(name.as_str()) && !(rewrite_xff && name.as_str() == xff)
+        !(hop.contains(name.as_str()) || (rewrite_xff && name.as_str() == xff))
     };
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
