@@ -30,6 +30,20 @@ pub const DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S: u64 = 60;
 /// Default time one write to a client may block (a client that stops reading a
 /// stream): after it the exchange ends and the upstream connection is freed.
 pub const DEFAULT_CLIENT_WRITE_TIMEOUT_MS: u64 = 60_000;
+/// Default cap on open client connections; more are closed at accept. An idle connection
+/// costs a few KiB (no read buffer until a request starts), one sending a header up to
+/// `max_header_bytes`. Keep the process's file limit above it (the systemd unit: 65536).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Default time a request header has to arrive whole: from the accept for a connection's
+/// first request, from its first byte for a later one (nginx's `client_header_timeout`,
+/// whose default is 60 s; clients send a header at once, so a quarter of that).
+pub const DEFAULT_CLIENT_HEADER_TIMEOUT_MS: u64 = 15_000;
+/// Default cap on a request header section (request line and fields), below pingora's fixed
+/// 1 MiB: browsers and HTTP clients send a few KiB; nginx's default caps a header at 32 KiB.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// pingora 0.9.1's own cap on a request header section (`MAX_HEADER_SIZE`): above it pingora
+/// answers a bare 400 first, so `max_header_bytes` may not exceed it.
+pub const PINGORA_MAX_HEADER_BYTES: usize = 1_048_575;
 /// Default idle time of a pooled upstream connection. vLLM's uvicorn closes idle
 /// keep-alive connections after 5 s (`--timeout-keep-alive` default), so stay below it.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
@@ -435,6 +449,13 @@ pub struct LimitsConfig {
     pub client_keepalive_timeout_s: u64,
     /// Longest a single write to a client may block.
     pub client_write_timeout_ms: u64,
+    /// Client connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Time a request header has to arrive whole (first request: from the accept; later
+    /// ones: from their first byte); exceeded gives 408.
+    pub client_header_timeout_ms: u64,
+    /// Largest request header section; larger gets 431.
+    pub max_header_bytes: usize,
 }
 
 impl Default for LimitsConfig {
@@ -450,6 +471,9 @@ impl Default for LimitsConfig {
             max_buffered_body_bytes: DEFAULT_MAX_BUFFERED_BODY_BYTES,
             client_keepalive_timeout_s: DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S,
             client_write_timeout_ms: DEFAULT_CLIENT_WRITE_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            client_header_timeout_ms: DEFAULT_CLIENT_HEADER_TIMEOUT_MS,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         }
     }
 }

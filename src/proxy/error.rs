@@ -16,6 +16,10 @@ pub enum GatewayError {
     PayloadTooLarge { limit: usize },
     #[error("request body not received within {0} ms")]
     ClientBodyTimeout(u64),
+    #[error("request header not received within {0} ms")]
+    ClientHeaderTimeout(u64),
+    #[error("request header section exceeds the limit of {limit} bytes")]
+    HeaderTooLarge { limit: usize },
     #[error("the gateway is at its limit of {limit} requests in flight; retry later")]
     Overloaded { limit: usize },
     #[error("the gateway holds its limit of {limit} bytes of request bodies; retry later")]
@@ -66,7 +70,8 @@ impl GatewayError {
             GatewayError::BadRequest(_) => 400,
             GatewayError::NotFound(_) => 404,
             GatewayError::MethodNotAllowed(_) => 405,
-            GatewayError::ClientBodyTimeout(_) => 408,
+            GatewayError::ClientBodyTimeout(_) | GatewayError::ClientHeaderTimeout(_) => 408,
+            GatewayError::HeaderTooLarge { .. } => 431,
             GatewayError::PayloadTooLarge { .. } => 413,
             GatewayError::NoEligibleTarget(_)
             | GatewayError::Overloaded { .. }
@@ -85,6 +90,8 @@ impl GatewayError {
             GatewayError::NotFound(_) => "not_found",
             GatewayError::MethodNotAllowed(_) => "method_not_allowed",
             GatewayError::ClientBodyTimeout(_) => "client_body_timeout",
+            GatewayError::ClientHeaderTimeout(_) => "client_header_timeout",
+            GatewayError::HeaderTooLarge { .. } => "header_too_large",
             GatewayError::PayloadTooLarge { .. } => "body_too_large",
             GatewayError::NoEligibleTarget(_) => "no_eligible_target",
             GatewayError::Overloaded { .. } | GatewayError::BodiesOverBudget { .. } => "overloaded",

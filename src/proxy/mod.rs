@@ -23,6 +23,7 @@
 
 pub mod admission;
 pub mod body;
+pub mod connection;
 pub mod error;
 pub mod framing;
 pub mod pool;
@@ -77,15 +78,22 @@ pub struct Gateway {
     runtime: Arc<Runtime>,
     pool: pool::UpstreamPool,
     admission: Admission,
+    connections: Arc<connection::OpenConnections>,
 }
 
 impl Gateway {
-    /// A gateway over `runtime`, with an upstream pool sized from pingora's server conf.
-    pub fn new(runtime: Arc<Runtime>, conf: &ServerConf) -> Self {
+    /// A gateway over `runtime`, with an upstream pool sized from pingora's server conf;
+    /// `connections` counts its client connections (exported in `/metrics`).
+    pub fn new(
+        runtime: Arc<Runtime>,
+        conf: &ServerConf,
+        connections: Arc<connection::OpenConnections>,
+    ) -> Self {
         Gateway {
             runtime,
             pool: pool::UpstreamPool::new(conf),
             admission: Admission::new(),
+            connections,
         }
     }
 
@@ -362,6 +370,9 @@ impl Gateway {
             "/metrics" => {
                 let _exporting = crate::metrics::EXPORT_LOCK.lock();
                 METRICS.admitted.set(self.admission.inflight() as i64);
+                METRICS
+                    .client_connections
+                    .set(self.connections.count() as i64);
                 METRICS
                     .buffered_body_bytes
                     .set(self.admission.buffered() as i64);
