@@ -387,8 +387,8 @@ impl HeadEnd {
     }
 }
 
-/// Answer a refused header with `e` (OpenAI's error shape, `connection: close`) and count
-/// it; the connection closes after.
+/// Answer a refused header with `e` (OpenAI's error shape, `connection: close`), count it
+/// and log its access line; the connection closes after.
 async fn refuse(stream: &mut Stream, e: &GatewayError) {
     METRICS.errors.with_label_values(&[e.kind()]).inc();
     let status = http::StatusCode::from_u16(e.status()).expect("a valid status");
@@ -396,6 +396,13 @@ async fn refuse(stream: &mut Stream, e: &GatewayError) {
         .requests
         .with_label_values(&["-", "-", status.as_str()])
         .inc();
+    // The access line of a request pingora never saw: method and path unknown.
+    log::info!(
+        target: "access",
+        "method=- path=- status={} route=- target=- strategy=- reason=- score=- attempts=0 stream=false body_bytes=0 error={} ms=-",
+        e.status(),
+        e.kind()
+    );
     let body = e.body();
     let answer = format!(
         "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",

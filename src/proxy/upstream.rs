@@ -67,7 +67,7 @@ pub struct ExchangeOutcome {
     pub ttfb: Duration,
     /// Whether the upstream connection came from the pool.
     pub reused: bool,
-    /// When the upstream's response ended (its last byte read and handed to the client).
+    /// When the upstream's response ended (its last byte read).
     pub finished: Instant,
 }
 
@@ -275,7 +275,9 @@ pub async fn exchange(
         .await
         .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
 
-    // Stream the body through as it arrives: SSE chunks are never held back.
+    // Stream the body through as it arrives: SSE chunks are never held back. The chunk
+    // that ends the body waits until the upstream connection is released below.
+    let mut last = None;
     while !no_body && !http.is_body_done() {
         // A stream can pause for long (a tool call being generated).
         let read = unless_client_gone(session, http.read_body_bytes());
@@ -284,18 +286,31 @@ pub async fn exchange(
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
         };
+        if http.is_body_done() {
+            last = Some(chunk);
+            break;
+        }
         session
             .write_response_body(Some(chunk), false)
             .await
             .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     }
-    // The upstream is done with: its connection goes back before the last write to a client
-    // that may be slow. pingora's keep-alive rules (response version and `connection`
-    // header, a body read to its end with nothing extra, no upgrade) decide whether it may.
+    // The upstream is done with: its connection goes back before the client can see the
+    // answer end (a client sending its next request at once finds it in the pool instead
+    // of racing this task to it, and opening a new one) and before the last write to a
+    // client that may be slow. pingora's keep-alive rules (response version and
+    // `connection` header, a body read to its end with nothing extra, no upgrade) decide
+    // whether it may.
     http.respect_keepalive();
     let finished = Instant::now();
     if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
         pool.put(idle, stream, up.idle_timeout, finished);
+    }
+    if let Some(chunk) = last {
+        session
+            .write_response_body(Some(chunk), false)
+            .await
+            .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     }
     session
         .write_response_body(None, true)
