@@ -27,7 +27,10 @@
 //! - the complete header (and any body bytes that came with it) goes to pingora as the
 //!   session's *pipelined prefix* (`ServerSession::set_pipelined_prefix`, pingora's public
 //!   hook for bytes already read from a connection), which pingora parses in place as its
-//!   header buffer: no second copy, and one parse.
+//!   header buffer and keeps the body bytes in as its first body buffer: the bytes are
+//!   copied once (out of the scratch buffer) and parsed once;
+//! - after a flood of connections closes, each worker thread returns the memory it freed
+//!   to the OS (see `BIG_DROP_FROM`).
 //!
 //! A header over the limit is answered 431 (Request Header Fields Too Large, RFC 6585) in
 //! OpenAI's error shape, not pingora's bare 400: the client learns which limit it hit.
