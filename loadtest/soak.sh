@@ -11,7 +11,8 @@
 # SOAK_CLIENTS (2 closed-loop clients per driver), SOAK_SAMPLE_SECS (10), SOAK_BUILD (1: run
 # `cargo build --release` first; 0 uses the binaries already in $CARGO_TARGET_DIR/release),
 # SOAK_FAULT_EVERY (30 s between faults), SOAK_FAULTS (which steps of the cycle below to
-# inject, in order, e.g. "7" for KV stalls only; default all: "0 1 2 3 4 5 6 7 8").
+# inject, in order, e.g. "7" for KV stalls only; default all: "0 1 2 3 4 5 6 7 8 9"),
+# SOAK_FLOOD_CONNECTIONS (7000 idle connections in the connection-flood step).
 #
 # What runs: four single-replica `rolter-sim` processes (one process per replica, so a
 # replica can really be killed and restarted), the gateway with four routes over them
@@ -20,7 +21,9 @@
 # multi-turn with sessions). Every FAULT_EVERY seconds the next fault of a fixed cycle is
 # injected: replica SIGKILL + restart, KV-event gap (dropped batch), corrupt KV batch, KV
 # sequence restart, KV stall (stale stream), LMCache status 500s, replica health failing,
-# SIGHUP reload of a changed routing file, SIGHUP with an invalid file (must be refused).
+# SIGHUP reload of a changed routing file, SIGHUP with an invalid file (must be refused),
+# a connection flood (SOAK_FLOOD_CONNECTIONS idle connections held 10 s, loadtest/flood.py;
+# loadtest/flood.sh measures floods on their own).
 #
 # "Lost" requests are client-side failures. The only ones expected are those in flight on a
 # replica when it was killed (the gateway answers them 502 `upstream_broken`; they cannot be
@@ -40,7 +43,8 @@ TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 BIN="$TARGET/release"
 REPLICAS=4
 FAULT_EVERY="${SOAK_FAULT_EVERY:-30}"
-read -r -a FAULTS <<< "${SOAK_FAULTS:-0 1 2 3 4 5 6 7 8}"
+read -r -a FAULTS <<< "${SOAK_FAULTS:-0 1 2 3 4 5 6 7 8 9}"
+FLOOD_CONNECTIONS="${SOAK_FLOOD_CONNECTIONS:-7000}"
 KILL_DOWN_SECS=10
 GW_PORT=$((BASE + 80))
 GW="http://127.0.0.1:$GW_PORT"
@@ -52,6 +56,10 @@ for b in rolter rolter-sim rolter-load; do
   [ -x "$BIN/$b" ] || { echo "missing $BIN/$b (build with cargo build --release --workspace)" >&2; exit 2; }
 done
 
+# The flood's connections are descriptors here and in the gateway.
+if [ "$(ulimit -n)" -lt $((FLOOD_CONNECTIONS + 2000)) ]; then
+  ulimit -n $((FLOOD_CONNECTIONS + 2000)) 2>/dev/null || { echo "raise the file limit (ulimit -n) or lower SOAK_FLOOD_CONNECTIONS" >&2; exit 2; }
+fi
 WORK=$(mktemp -d /tmp/rolter-soak.XXXXXX)
 # Private copies: a rebuild in the shared target directory must not swap binaries mid-soak.
 mkdir -p "$WORK/bin"
@@ -174,8 +182,8 @@ metric_sum() { # metric name regex over a saved scrape
 fault() { echo "| $(now) | $* |" >> "$WORK/faults.md"; }
 sim_fault() { curl -sf -X POST "http://127.0.0.1:$(http_port "$1")/sim/fault/$2/$3" > /dev/null || echo "fault $2/$3 on r$1 failed" >&2; }
 
-echo "| t (s) | RSS MiB | peak RSS MiB | open fds | threads | admitted | trie nodes | KV index blocks | requests answered |" > "$WORK/samples.md"
-echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" >> "$WORK/samples.md"
+echo "| t (s) | RSS MiB | peak RSS MiB | open fds | threads | client connections | admitted | trie nodes | KV index blocks | requests answered |" > "$WORK/samples.md"
+echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" >> "$WORK/samples.md"
 : > "$WORK/samples.tsv"
 sample() {
   local rss hwm fds threads
@@ -184,7 +192,8 @@ sample() {
   threads=$(awk '/^Threads/ {print $2}' "/proc/$GW_PID/status")
   fds=$(ls "/proc/$GW_PID/fd" | wc -l)
   curl -sf "$GW/metrics" > "$WORK/scrape.txt" || : > "$WORK/scrape.txt"
-  local admitted trie blocks answered
+  local admitted trie blocks answered conns
+  conns=$(metric_sum '^rolter_client_connections$' "$WORK/scrape.txt")
   admitted=$(metric_sum '^rolter_admitted_requests$' "$WORK/scrape.txt")
   trie=$(metric_sum '^rolter_trie_nodes' "$WORK/scrape.txt")
   blocks=$(metric_sum '^rolter_kv_index_blocks' "$WORK/scrape.txt")
@@ -192,8 +201,8 @@ sample() {
   local t
   t=$(now)
   printf '%s\t%s\t%s\t%s\n' "$t" "$rss" "$fds" "$trie" >> "$WORK/samples.tsv"
-  awk -v t="$t" -v r="$rss" -v h="$hwm" -v f="$fds" -v th="$threads" -v a="$admitted" -v n="$trie" \
-    -v b="$blocks" -v q="$answered" 'BEGIN { printf "| %s | %.1f | %.1f | %s | %s | %s | %s | %s | %s |\n", t, r / 1024, h / 1024, f, th, a, n, b, q }' \
+  awk -v t="$t" -v r="$rss" -v h="$hwm" -v f="$fds" -v th="$threads" -v c="$conns" -v a="$admitted" -v n="$trie" \
+    -v b="$blocks" -v q="$answered" 'BEGIN { printf "| %s | %.1f | %.1f | %s | %s | %s | %s | %s | %s | %s |\n", t, r / 1024, h / 1024, f, th, c, a, n, b, q }' \
     >> "$WORK/samples.md"
 }
 
@@ -230,6 +239,9 @@ while [ "$(date +%s)" -lt "$END" ]; do
       8) fault "SIGHUP with an invalid routing file (must be refused), then the good one back"
          echo 'this is = not [valid' > "$WORK/routes.toml"; kill -HUP "$GW_PID"; sleep 2
          routes 1 > "$WORK/routes.toml"; kill -HUP "$GW_PID" ;;
+      9) fault "connection flood: $FLOOD_CONNECTIONS idle connections held 10 s"
+         ( python3 "$ROOT/loadtest/flood.py" idle --port "$GW_PORT" --connections "$FLOOD_CONNECTIONS" \
+             --hold-secs 10 >> "$WORK/floods.txt" 2>&1 ) & ;;
     esac
     step=$((step + 1))
     next_fault=$((next_fault + FAULT_EVERY))
@@ -303,6 +315,8 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
   echo "| replica kills | ${#KILLS[@]} (at t = ${KILLS[*]:-–} s) |"
   echo "| SIGHUP reloads ok / refused | $reloads_ok / $reloads_failed |"
   echo "| gateway alive at the end | $ALIVE |"
+  echo "| connection floods (opened, closed by the gateway) | $(paste -sd ';' "$WORK/floods.txt" 2>/dev/null || echo none) |"
+  echo "| client connections refused at accept (\`rolter_client_connections_refused_total\`) | $(metric_sum '^rolter_client_connections_refused_total$' "$WORK/final.txt") |"
   echo "| RSS after warm-up (t ≥ ${WARM} s): first / last / max | $((rss_warm / 1024)) / $((rss_last / 1024)) / $((rss_max / 1024)) MiB |"
   echo "| open fds after warm-up: min / max | $fd_min / $fd_max |"
   echo "| idle RSS at the end, before → after \`malloc_trim(0)\` | $TRIM |"
@@ -336,7 +350,8 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
   echo "## Gateway resources over time"
   echo
   echo "RSS and peak RSS from /proc/PID/status (VmRSS, VmHWM), open fds = entries of /proc/PID/fd,"
-  echo "admitted = \`rolter_admitted_requests\`; trie nodes and KV index blocks summed over targets."
+  echo "client connections = \`rolter_client_connections\`, admitted = \`rolter_admitted_requests\`; trie nodes and KV index"
+  echo "blocks summed over targets."
   echo
   cat "$WORK/samples.md"
   echo

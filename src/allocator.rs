@@ -64,6 +64,18 @@ unsafe impl GlobalAlloc for MiMalloc {
     }
 }
 
+/// Give the memory this thread freed back to the OS now (`mi_collect(true)`): mimalloc
+/// returns freed pages after a delay (`purge_delay`, 10 ms), but only when the thread that
+/// owns them allocates in the same place again, so a thread that freed a lot (thousands of
+/// connections closing) and then idles keeps it all resident. Costs a walk of this thread's
+/// pages: for rare calls. (Purging at once instead, `purge_delay = 0`, cost 30% more CPU
+/// per request under load: 64 connections, 4 KiB requests, 5 interleaved wrk rounds.)
+/// A no-op for memory from another allocator (tests run on the system one).
+pub fn release_freed() {
+    // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
+    unsafe { mi::mi_collect(true) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,9 +5,9 @@
 //! record outcomes here. Hot-path users keep pre-resolved handles (see `fleet`).
 
 use prometheus::{
-    exponential_buckets, register_histogram_vec, register_int_counter_vec, register_int_gauge,
-    register_int_gauge_vec, Encoder, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
-    TextEncoder,
+    exponential_buckets, register_histogram_vec, register_int_counter, register_int_counter_vec,
+    register_int_gauge, register_int_gauge_vec, Encoder, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, TextEncoder,
 };
 use prometheus::{Histogram, IntCounter};
 use std::sync::{LazyLock, OnceLock};
@@ -59,6 +59,10 @@ pub struct Metrics {
     pub kv_index_blocks: IntGaugeVec,
     /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
     pub lmcache_polls: IntCounterVec,
+    /// Client connections open now (`limits.max_connections`), refreshed at scrape time.
+    pub client_connections: IntGauge,
+    /// Client connections closed at accept because `limits.max_connections` were open.
+    pub connections_refused: IntCounter,
 }
 
 /// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
@@ -274,6 +278,16 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["provider", "result"]
     )
     .expect("register rolter_lmcache_polls_total"),
+    client_connections: register_int_gauge!(
+        "rolter_client_connections",
+        "Client connections open now, counted against limits.max_connections"
+    )
+    .expect("register rolter_client_connections"),
+    connections_refused: register_int_counter!(
+        "rolter_client_connections_refused_total",
+        "Client connections closed at accept because limits.max_connections were open"
+    )
+    .expect("register rolter_client_connections_refused_total"),
 });
 
 /// Mirror a provider's KV-event stream state into the metrics (called at scrape time;

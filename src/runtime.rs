@@ -151,6 +151,8 @@ pub struct RouteTable {
     pub limits: LimitsConfig,
     /// Passive-health settings.
     pub breaker: BreakerConfig,
+    /// Headers added to forwarded requests.
+    pub forwarding: crate::config::ForwardingConfig,
     models_json: Bytes,
     egress: Arc<EgressPolicy>,
     lmcache: Vec<Arc<LmcacheEndpoint>>,
@@ -352,6 +354,7 @@ impl RouteTable {
             providers: entries,
             limits,
             breaker: config.breaker.clone(),
+            forwarding: config.forwarding.clone(),
             models_json,
             egress,
             lmcache,

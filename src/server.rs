@@ -6,24 +6,24 @@
 
 use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
 use crate::lmcache_poll::LmcachePollService;
+use crate::proxy::connection::{ClientConnections, OpenConnections};
 use crate::proxy::Gateway;
 use crate::runtime::{ReloadOnSighup, Runtime};
-use async_trait::async_trait;
 use clap::Parser;
-use pingora::apps::{HttpServerApp, HttpServerOptions, ReusedHttpStream};
-use pingora::protocols::http::ServerSession;
+use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::server::configuration::Opt;
 use pingora::server::Server;
-use pingora::server::ShutdownWatch;
 use pingora::services::background::background_service;
 use pingora::services::listening::Service;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-/// How long connections already accepted keep being served after the listener closes
-/// (see [`LingerOnShutdown`]); below the shipped `grace_period_seconds`.
-const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
+/// Grace periods when no `-c` YAML is given: pingora's own defaults (300 s grace, then
+/// 5 s for runtimes to exit) made `rolter --demo` and any ad-hoc run take five minutes to
+/// stop on SIGTERM. Above `proxy::connection`'s 1 s shutdown linger; a deployment sets its own in the YAML
+/// (`conf/pingora.yaml`: 10 s and 20 s).
+const NO_CONF_GRACE_PERIOD_S: u64 = 2;
+const NO_CONF_SHUTDOWN_TIMEOUT_S: u64 = 2;
 
 /// Default listen address of the proxy port.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
@@ -64,13 +64,34 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         println!("{}: routing file ok", cli.routes.display());
     }
     let runtime = Arc::new(runtime);
+    let no_conf = cli.pingora.conf.is_none();
     let mut server = Server::new(Some(cli.pingora)).map_err(|e| e.to_string())?;
+    if no_conf {
+        let conf = Arc::get_mut(&mut server.configuration)
+            .ok_or("pingora's server configuration is already shared")?;
+        conf.grace_period_seconds
+            .get_or_insert(NO_CONF_GRACE_PERIOD_S);
+        conf.graceful_shutdown_timeout_seconds
+            .get_or_insert(NO_CONF_SHUTDOWN_TIMEOUT_S);
+    }
     // Exits the process after checking pingora's YAML when `-t` was given.
     server.bootstrap();
-    let gateway = Gateway::new(runtime.clone(), &server.configuration);
+    let connections = Arc::new(OpenConnections::default());
+    let gateway = Gateway::new(runtime.clone(), &server.configuration, connections.clone());
     let app = pingora::proxy::http_proxy(&server.configuration, gateway);
-    let mut proxy = Service::new("rolter".to_string(), LingerOnShutdown(Arc::new(app)));
-    proxy.add_tcp(&cli.listen);
+    let mut proxy = Service::new(
+        "rolter".to_string(),
+        ClientConnections::new(app, runtime.clone(), connections),
+    );
+    // No L4 read buffer: pingora's default gives every connection 64 KiB for its whole
+    // life, idle or not; `ClientConnections` reads a request header through a per-thread
+    // buffer and hands it to pingora, which then reads bodies straight into its own.
+    proxy.add_listener(
+        ListenerConfig::tcp(&cli.listen).l4_buffer(L4BufferSettings {
+            read: Some(0),
+            write: None,
+        }),
+    );
     server.add_service(proxy);
     server.add_service(background_service(
         "health-checks",
@@ -102,40 +123,4 @@ fn survive_early_sighup() -> Result<(), String> {
         .map_err(|e| format!("cannot start a runtime to arm SIGHUP: {e}"))?;
     rt.block_on(async { signal(SignalKind::hangup()).map(drop) })
         .map_err(|e| format!("cannot install a SIGHUP handler: {e}"))
-}
-
-/// pingora's HTTP proxy app with its shutdown cleanup delayed by [`SHUTDOWN_LINGER`].
-///
-/// On shutdown (SIGTERM, or SIGQUIT after a `-u` upgrade handed the listening socket
-/// over) pingora 0.9.1 stops accepting and at once runs the app's `http_cleanup`, which
-/// drops every connection still waiting for a request. That includes connections
-/// accepted a moment earlier whose request bytes had not been read yet: their clients
-/// get a closed connection instead of an answer (seen in `tests/upgrade.rs` about once
-/// per few thousand fresh connections). Delaying the cleanup lets those requests be read
-/// and answered (pingora turns keep-alive off once shutdown started); connections that
-/// stay idle are closed when the linger ends, as before.
-struct LingerOnShutdown<A>(Arc<A>);
-
-#[async_trait]
-impl<A: HttpServerApp + Send + Sync + 'static> HttpServerApp for LingerOnShutdown<A> {
-    async fn process_new_http(
-        self: &Arc<Self>,
-        session: ServerSession,
-        shutdown: &ShutdownWatch,
-    ) -> Option<ReusedHttpStream> {
-        self.0.process_new_http(session, shutdown).await
-    }
-
-    fn h2_options(&self) -> Option<pingora::protocols::http::v2::server::H2Options> {
-        self.0.h2_options()
-    }
-
-    fn server_options(&self) -> Option<&HttpServerOptions> {
-        self.0.server_options()
-    }
-
-    async fn http_cleanup(&self) {
-        tokio::time::sleep(SHUTDOWN_LINGER).await;
-        self.0.http_cleanup().await;
-    }
 }

@@ -503,8 +503,11 @@ fn cases(evil_port: u16) -> Vec<Case> {
         // --- token-id header: malformed or huge falls back, never 5xx ---
         case("non-numeric token ids", post(&ok, "x-rolter-vllm-token-ids: 1,2,banana,-4"), 200, Relayed).upstream(Upstream::Body(upstream_view(&ok))),
         case("token ids past u32", post(&ok, "x-rolter-vllm-token-ids: 99999999999999999999"), 200, Relayed).upstream(Upstream::Body(upstream_view(&ok))),
+        // Accepted because this gateway raises limits.max_header_bytes to its maximum, as
+        // precise_cache_aware routes given long prompts' token ids must (README).
         case("100,000 token ids (~590 KB header)", post(&ok, &format!("x-rolter-vllm-token-ids: {ids_huge}")), 200, Relayed).upstream(Upstream::Body(upstream_view(&ok))),
-        case("header section over pingora's 1 MiB", post(&ok, &format!("x-rolter-vllm-token-ids: {}", "1,".repeat(600_000))), 400, Pingora),
+        // Refused by rolter before pingora's own 1 MiB limit (a bare 400) is reached.
+        case("header section over limits.max_header_bytes (and pingora's 1 MiB)", post(&ok, &format!("x-rolter-vllm-token-ids: {}", "1,".repeat(600_000))), 431, OpenAi("header_too_large")).then(Then::Closed),
         case("300 header fields (pingora allows 256)", post(&ok, &(0..300).map(|i| format!("x-h{i}: v")).collect::<Vec<_>>().join("\r\n")), 400, Pingora),
         case("invalid UTF-8 in a header value", post(&ok, "x-session-id: \u{00ff}\u{00fe}"), 200, Relayed).upstream(Upstream::Body(upstream_view(&ok))),
         // --- other hosts: never change the upstream ---
@@ -596,7 +599,7 @@ async fn hostile_requests_get_the_expected_answer_and_leave_the_gateway_healthy(
         &[stub.url()],
         "round_robin",
         &format!(
-            "[limits]\nmax_body_bytes = {BODY_LIMIT}\nclient_body_timeout_ms = {BODY_TIMEOUT_MS}\n"
+            "[limits]\nmax_body_bytes = {BODY_LIMIT}\nclient_body_timeout_ms = {BODY_TIMEOUT_MS}\nmax_header_bytes = 1048575\n"
         ),
     ))
     .await;
@@ -853,4 +856,247 @@ async fn global_inflight_cap_refuses_with_503_and_idle_clients_are_closed() {
         idle >= Duration::from_millis(900) && idle < Duration::from_secs(3),
         "closed after {idle:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_the_client_marks_hop_by_hop_stay_here_and_x_forwarded_for_is_appended() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
+    let body = chat("hop by hop");
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(
+        &body,
+        "Connection: keep-alive, X-Internal-Token\r\nX-Internal-Token: secret\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nX-Forwarded-For: 203.0.113.9\r\nX-Kept: yes",
+    ))
+    .await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    let rec = stub.recorded();
+    assert_eq!(rec.len(), 1);
+    let h = &rec[0].headers;
+    for gone in ["x-internal-token", "http2-settings", "connection"] {
+        assert!(h.get(gone).is_none(), "{gone} forwarded: {h:?}");
+    }
+    assert_eq!(h["x-kept"], "yes");
+    let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+    assert_eq!(xff, ["203.0.113.9, 127.0.0.1"], "{h:?}");
+
+    // `[forwarding] x_forwarded_for = "replace"`: only the client's own address.
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[forwarding]\nx_forwarded_for = \"replace\"\n",
+    ))
+    .await;
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(&body, "X-Forwarded-For: 203.0.113.9"))
+        .await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    let rec = stub.recorded();
+    let xff: Vec<_> = rec[1].headers.get_all("x-forwarded-for").iter().collect();
+    assert_eq!(xff, ["127.0.0.1"]);
+}
+
+/// The first line and the start of a header whose last field is then dribbled.
+const SLOW_HEAD: &[u8] = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nX-Slow: ";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dribbled_header_is_cut_at_the_header_deadline_on_first_and_later_requests() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nclient_header_timeout_ms = 1500\n",
+    ))
+    .await;
+    let dribble = Send::Dribble {
+        head: SLOW_HEAD.to_vec(),
+        piece: b"a".to_vec(),
+        every: Duration::from_millis(250),
+        pieces: 40,
+    };
+    // A first request: due 1.5 s after the accept.
+    let started = Instant::now();
+    let (mut conn, read) = send_case(gw.port, &dribble).await;
+    let took = started.elapsed();
+    let Read::Response(r) = read else {
+        panic!("a dribbled first header was not cut: {read:?} after {took:?}");
+    };
+    assert_eq!(r.status, 408, "{:?}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "client_header_timeout");
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(3),
+        "cut after {took:?}"
+    );
+    assert!(matches!(
+        conn.response(Duration::from_secs(2)).await,
+        Read::Closed
+    ));
+
+    // A later request on a kept-alive connection: idle first (within the keep-alive time),
+    // then due 1.5 s after its first byte.
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&http("GET /health HTTP/1.1\r\nHost: gateway", b""))
+        .await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    conn.send(SLOW_HEAD).await;
+    let first_byte = Instant::now();
+    let mut answered = None;
+    for _ in 0..40 {
+        match tokio::time::timeout(Duration::from_millis(250), conn.stream.peek(&mut [0u8; 1]))
+            .await
+        {
+            Ok(_) => break,
+            Err(_) => {
+                if !conn.send(b"a").await {
+                    break;
+                }
+            }
+        }
+    }
+    if let Read::Response(r) = conn.response(RESPONSE_LIMIT).await {
+        answered = Some((r.status, first_byte.elapsed()));
+    }
+    let (status, took) = answered.expect("a dribbled keep-alive header was not cut");
+    assert_eq!(status, 408);
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(3),
+        "cut {took:?} after its first byte"
+    );
+    assert_eq!(
+        errors_of(&gw, "client_header_timeout").await,
+        2.0,
+        "not counted"
+    );
+    assert!(stub.recorded().is_empty());
+    // A connection that sends nothing is closed quietly at the deadline, not answered.
+    let mut idle = Raw::connect(gw.port).await;
+    assert!(matches!(
+        idle.response(Duration::from_secs(4)).await,
+        Read::Closed
+    ));
+    let (status, _, _) = post_chat(&gw, chat_body("alias", "still fine", false)).await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_over_max_header_bytes_gets_431_whether_sent_at_once_or_dribbled() {
+    let stub = Stub::start("a").await.unwrap();
+    // The default limit: 64 KiB.
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
+    let ok = chat("fits");
+    let field = |n: usize| format!("X-Big: {}", "a".repeat(n));
+    let cases = [
+        ("at once", Send::Once(post(&ok, &field(70_000)))),
+        (
+            "dribbled 4 KiB every 20 ms",
+            Send::Dribble {
+                head: SLOW_HEAD.to_vec(),
+                piece: vec![b'a'; 4096],
+                every: Duration::from_millis(20),
+                pieces: 64,
+            },
+        ),
+        ("only empty lines", Send::Once(b"\r\n".repeat(40_000))),
+    ];
+    for (i, (name, send)) in cases.iter().enumerate() {
+        let (mut conn, read) = send_case(gw.port, send).await;
+        let Read::Response(r) = read else {
+            panic!("{name}: no answer: {read:?}");
+        };
+        assert_eq!(
+            r.status,
+            431,
+            "{name}: {:?}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["error"]["code"], "header_too_large", "{name}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("65536"),
+            "{name}: {v}"
+        );
+        assert!(
+            matches!(conn.response(Duration::from_secs(3)).await, Read::Closed),
+            "{name}: not closed"
+        );
+        assert_eq!(errors_of(&gw, "header_too_large").await, (i + 1) as f64);
+    }
+    assert!(stub.recorded().is_empty());
+    // Just under the limit is accepted.
+    let mut conn = Raw::connect(gw.port).await;
+    conn.send(&post(&ok, &field(60_000))).await;
+    assert!(matches!(conn.response(RESPONSE_LIMIT).await, Read::Response(r) if r.status == 200));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_are_closed_at_accept_and_open_ones_are_counted() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(
+        &[stub.url()],
+        "round_robin",
+        "[limits]\nmax_connections = 3\n",
+    ))
+    .await;
+    // A connection that got an answer is surely open (counted) and now idle.
+    async fn open_idle(port: u16) -> Option<Raw> {
+        let mut conn = Raw::connect(port).await;
+        conn.send(&http("GET /health HTTP/1.1\r\nHost: gateway", b""))
+            .await;
+        match conn.response(RESPONSE_LIMIT).await {
+            Read::Response(r) if r.status == 200 => Some(conn),
+            Read::Closed => None,
+            other => panic!("{other:?}"),
+        }
+    }
+    // Two idle connections, plus the scrape's own.
+    let mut idle = vec![
+        open_idle(gw.port).await.unwrap(),
+        open_idle(gw.port).await.unwrap(),
+    ];
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_client_connections").await == Some(3.0)
+        })
+        .await,
+        "open connections not counted"
+    );
+    // A third idle one takes the last place (once the scrape's connection is gone), and a
+    // fourth is closed unanswered at once.
+    let mut refusals = 0.0;
+    loop {
+        if let Some(conn) = open_idle(gw.port).await {
+            idle.push(conn);
+            break;
+        }
+        refusals += 1.0;
+        assert!(refusals < 40.0, "the scrape's connection never closed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut refused = Raw::connect(gw.port).await;
+    refused.send(&post(&chat("refused"), "")).await;
+    assert!(matches!(
+        refused.response(Duration::from_secs(2)).await,
+        Read::Closed
+    ));
+    refusals += 1.0;
+    assert!(stub.recorded().is_empty());
+    // Places come back when connections close. (A scrape that races the closes can be
+    // refused itself, and counted.)
+    drop(idle);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            gw.metric("rolter_client_connections_refused_total")
+                .await
+                .is_some_and(|n| n >= refusals)
+                && gw.metric("rolter_client_connections").await == Some(1.0)
+        })
+        .await,
+        "refused: {:?} (expected {refusals}), open: {:?}",
+        gw.metric("rolter_client_connections_refused_total").await,
+        gw.metric("rolter_client_connections").await
+    );
+    let (status, _, _) = post_chat(&gw, chat_body("alias", "room again", false)).await;
+    assert_eq!(status, 200);
 }

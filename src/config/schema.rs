@@ -6,7 +6,7 @@ use serde::Deserialize;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 /// Default TCP connect timeout to an upstream.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
-/// Default idle read timeout on an upstream response (header or between body chunks).
+/// Default read timeout on an upstream response (the whole header, or between body chunks).
 /// Long: a non-streaming completion of a long prompt can take minutes of prefill + decode.
 pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 /// Default time a client has to send the whole request body (slow-body defence).
@@ -30,6 +30,20 @@ pub const DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S: u64 = 60;
 /// Default time one write to a client may block (a client that stops reading a
 /// stream): after it the exchange ends and the upstream connection is freed.
 pub const DEFAULT_CLIENT_WRITE_TIMEOUT_MS: u64 = 60_000;
+/// Default cap on open client connections; more are closed at accept. An idle connection
+/// costs a few KiB (no read buffer until a request starts), one sending a header up to
+/// `max_header_bytes`. Keep the process's file limit above it (the systemd unit: 65536).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Default time a request header has to arrive whole: from the accept for a connection's
+/// first request, from its first byte for a later one (nginx's `client_header_timeout`,
+/// whose default is 60 s; clients send a header at once, so a quarter of that).
+pub const DEFAULT_CLIENT_HEADER_TIMEOUT_MS: u64 = 15_000;
+/// Default cap on a request header section (request line and fields), below pingora's fixed
+/// 1 MiB: browsers and HTTP clients send a few KiB; nginx's default caps a header at 32 KiB.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// pingora 0.9.1's own cap on a request header section (`MAX_HEADER_SIZE`): above it pingora
+/// answers a bare 400 first, so `max_header_bytes` may not exceed it.
+pub const PINGORA_MAX_HEADER_BYTES: usize = 1_048_575;
 /// Default idle time of a pooled upstream connection. vLLM's uvicorn closes idle
 /// keep-alive connections after 5 s (`--timeout-keep-alive` default), so stay below it.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
@@ -60,6 +74,9 @@ pub struct Config {
     /// Which hosts and addresses the gateway may contact on its own (see `egress`).
     #[serde(default)]
     pub egress: EgressConfig,
+    /// Headers rolter adds to the requests it forwards.
+    #[serde(default)]
+    pub forwarding: ForwardingConfig,
 }
 
 /// The kind of upstream API a provider speaks.
@@ -413,6 +430,29 @@ fn default_weight() -> u32 {
     1
 }
 
+/// `[forwarding]`: what rolter tells an upstream about the client.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ForwardingConfig {
+    /// What to send upstream as `X-Forwarded-For`.
+    pub x_forwarded_for: XForwardedFor,
+}
+
+/// `forwarding.x_forwarded_for`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum XForwardedFor {
+    /// The client's list, if it sent one, with the client's address appended (nginx's
+    /// `$proxy_add_x_forwarded_for`).
+    #[default]
+    Append,
+    /// Only the client's address: rolter is the first proxy, and whatever list a client
+    /// sends is dropped.
+    Replace,
+    /// The client's header as sent, if any; rolter adds nothing.
+    Off,
+}
+
 /// Size and time limits.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
@@ -421,7 +461,8 @@ pub struct LimitsConfig {
     pub max_body_bytes: usize,
     /// TCP connect timeout to an upstream.
     pub connect_timeout_ms: u64,
-    /// Idle read timeout on the upstream response; exceeded gives 504.
+    /// Read timeout on the upstream response: for the whole response head (1xx
+    /// included), then between body chunks; exceeded gives 504.
     pub read_timeout_ms: u64,
     /// Time a client has to deliver its request body.
     pub client_body_timeout_ms: u64,
@@ -440,6 +481,13 @@ pub struct LimitsConfig {
     pub client_keepalive_timeout_s: u64,
     /// Longest a single write to a client may block.
     pub client_write_timeout_ms: u64,
+    /// Client connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Time a request header has to arrive whole (first request: from the accept; later
+    /// ones: from their first byte); exceeded gives 408.
+    pub client_header_timeout_ms: u64,
+    /// Largest request header section; larger gets 431.
+    pub max_header_bytes: usize,
 }
 
 impl Default for LimitsConfig {
@@ -455,6 +503,9 @@ impl Default for LimitsConfig {
             max_buffered_body_bytes: DEFAULT_MAX_BUFFERED_BODY_BYTES,
             client_keepalive_timeout_s: DEFAULT_CLIENT_KEEPALIVE_TIMEOUT_S,
             client_write_timeout_ms: DEFAULT_CLIENT_WRITE_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            client_header_timeout_ms: DEFAULT_CLIENT_HEADER_TIMEOUT_MS,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         }
     }
 }

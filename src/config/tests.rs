@@ -458,3 +458,44 @@ fn kv_events_max_message_bytes_is_defaulted_and_bounded() {
     }
     assert!(parse(&with("max_message_bytes = 65536"), "z.toml").is_ok());
 }
+
+#[test]
+fn client_connection_limits_have_defaults_and_bounds() {
+    let c = parse(GOOD, "good.toml").expect("valid");
+    assert_eq!(c.limits.max_connections, DEFAULT_MAX_CONNECTIONS);
+    assert_eq!(
+        c.limits.client_header_timeout_ms,
+        DEFAULT_CLIENT_HEADER_TIMEOUT_MS
+    );
+    assert_eq!(c.limits.max_header_bytes, DEFAULT_MAX_HEADER_BYTES);
+    assert_eq!(c.forwarding.x_forwarded_for, XForwardedFor::Append);
+    let at_pingoras = GOOD.replace(
+        "max_body_bytes = 65536",
+        "max_body_bytes = 65536\nmax_header_bytes = 1048575\n[forwarding]\nx_forwarded_for = \"replace\"",
+    );
+    let c = parse(&at_pingoras, "max.toml").expect("valid");
+    assert_eq!(c.limits.max_header_bytes, PINGORA_MAX_HEADER_BYTES);
+    assert_eq!(c.forwarding.x_forwarded_for, XForwardedFor::Replace);
+    let bad = GOOD.replace(
+        "max_body_bytes = 65536",
+        "max_body_bytes = 65536\nmax_connections = 0\nclient_header_timeout_ms = 0\nmax_header_bytes = 1048576",
+    );
+    let text = parse(&bad, "bad.toml").unwrap_err().to_string();
+    for line in [
+        "limits.max_connections: must be greater than 0",
+        "limits.client_header_timeout_ms: must be greater than 0",
+        "limits.max_header_bytes: must be at most 1048575",
+    ] {
+        assert!(text.contains(line), "{line} missing in {text}");
+    }
+    let text = parse(
+        &format!("{GOOD}\n[forwarding]\nx_forwarded_for = \"sometimes\"\n"),
+        "xff.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        text.contains("unknown variant `sometimes`, expected one of `append`, `replace`, `off`"),
+        "{text}"
+    );
+}

@@ -1,7 +1,7 @@
 //! Semantic checks the type system cannot express: references between sections,
 //! uniqueness, URL shape, value ranges. Each problem is one line naming its key.
 
-use super::{Config, LmcacheConfig};
+use super::{Config, LmcacheConfig, PINGORA_MAX_HEADER_BYTES};
 use crate::egress::{self, EgressPolicy};
 use std::collections::HashSet;
 
@@ -202,10 +202,21 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         ),
         ("limits.max_inflight", l.max_inflight as u64),
         ("limits.client_write_timeout_ms", l.client_write_timeout_ms),
+        ("limits.max_connections", l.max_connections as u64),
+        (
+            "limits.client_header_timeout_ms",
+            l.client_header_timeout_ms,
+        ),
+        ("limits.max_header_bytes", l.max_header_bytes as u64),
     ] {
         if value == 0 {
             out.push(format!("{key}: must be greater than 0"));
         }
+    }
+    if l.max_header_bytes > PINGORA_MAX_HEADER_BYTES {
+        out.push(format!(
+            "limits.max_header_bytes: must be at most {PINGORA_MAX_HEADER_BYTES} (pingora refuses larger header sections itself, with a bare 400)"
+        ));
     }
     if l.max_buffered_body_bytes < l.max_body_bytes {
         out.push(format!(

@@ -15,11 +15,10 @@
 //! instead, charged per buffer allocation as the body grows (`body::read_body`), so a
 //! dribbling client holds little. A body is let go once the upstream's answer starts.
 //!
-//! Pingora 0.9.1 limits that are *not* configurable, and so are not config keys:
-//! a request header of at most 1 MiB (`MAX_HEADER_SIZE` = 1,048,575 bytes) and 256
-//! header fields (`MAX_HEADERS`); beyond either pingora answers 400 (not 431) and closes
-//! the connection before rolter sees the request. A new connection has 60 s to send
-//! its first request header, counted per read.
+//! A pingora 0.9.1 limit that is *not* configurable, and so is not a config key: 256
+//! header fields (`MAX_HEADERS`); beyond it pingora answers 400 and closes the connection
+//! before rolter sees the request. The header's size and time are bounded before pingora
+//! reads it (`super::connection`).
 
 use crate::config::LimitsConfig;
 use pingora::proxy::Session;

@@ -16,6 +16,10 @@ pub enum GatewayError {
     PayloadTooLarge { limit: usize },
     #[error("request body not received within {0} ms")]
     ClientBodyTimeout(u64),
+    #[error("request header not received within {0} ms")]
+    ClientHeaderTimeout(u64),
+    #[error("request header section exceeds the limit of {limit} bytes")]
+    HeaderTooLarge { limit: usize },
     #[error("the gateway is at its limit of {limit} requests in flight; retry later")]
     Overloaded { limit: usize },
     #[error("the gateway holds its limit of {limit} bytes of request bodies; retry later")]
@@ -31,11 +35,34 @@ pub enum GatewayError {
     /// The client went away; nothing can be sent.
     #[error("client disconnected: {0}")]
     ClientGone(String),
+    /// A write to the client blocked past `limits.client_write_timeout_ms`: it stopped
+    /// reading (a stalled or hostile reader); the exchange is cut.
+    #[error("client stopped reading: {0}")]
+    ClientWriteTimeout(String),
 }
 
 impl GatewayError {
     /// [`GatewayError::kind`] of [`GatewayError::ClientGone`].
     pub const CLIENT_GONE: &'static str = "client_disconnect";
+    /// [`GatewayError::kind`] of [`GatewayError::ClientWriteTimeout`].
+    pub const CLIENT_WRITE_TIMEOUT: &'static str = "client_write_timeout";
+
+    /// A failed write to the client: it stopped reading (the write timed out), or it left.
+    pub fn client_write(e: &pingora::Error) -> Self {
+        if e.etype() == &pingora::ErrorType::WriteTimedout {
+            GatewayError::ClientWriteTimeout(e.to_string())
+        } else {
+            GatewayError::ClientGone(e.to_string())
+        }
+    }
+
+    /// Whether the client can be told nothing more (it left, or stopped reading).
+    pub fn client_unreachable(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::ClientGone(_) | GatewayError::ClientWriteTimeout(_)
+        )
+    }
 
     /// HTTP status for the client.
     pub fn status(&self) -> u16 {
@@ -43,7 +70,8 @@ impl GatewayError {
             GatewayError::BadRequest(_) => 400,
             GatewayError::NotFound(_) => 404,
             GatewayError::MethodNotAllowed(_) => 405,
-            GatewayError::ClientBodyTimeout(_) => 408,
+            GatewayError::ClientBodyTimeout(_) | GatewayError::ClientHeaderTimeout(_) => 408,
+            GatewayError::HeaderTooLarge { .. } => 431,
             GatewayError::PayloadTooLarge { .. } => 413,
             GatewayError::NoEligibleTarget(_)
             | GatewayError::Overloaded { .. }
@@ -51,7 +79,7 @@ impl GatewayError {
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
             GatewayError::UpstreamTimeout { .. } => 504,
             // 499 (nginx's "client closed request") is only ever logged, never sent.
-            GatewayError::ClientGone(_) => 499,
+            GatewayError::ClientGone(_) | GatewayError::ClientWriteTimeout(_) => 499,
         }
     }
 
@@ -62,6 +90,8 @@ impl GatewayError {
             GatewayError::NotFound(_) => "not_found",
             GatewayError::MethodNotAllowed(_) => "method_not_allowed",
             GatewayError::ClientBodyTimeout(_) => "client_body_timeout",
+            GatewayError::ClientHeaderTimeout(_) => "client_header_timeout",
+            GatewayError::HeaderTooLarge { .. } => "header_too_large",
             GatewayError::PayloadTooLarge { .. } => "body_too_large",
             GatewayError::NoEligibleTarget(_) => "no_eligible_target",
             GatewayError::Overloaded { .. } | GatewayError::BodiesOverBudget { .. } => "overloaded",
@@ -69,6 +99,7 @@ impl GatewayError {
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::ClientGone(_) => Self::CLIENT_GONE,
+            GatewayError::ClientWriteTimeout(_) => Self::CLIENT_WRITE_TIMEOUT,
         }
     }
 

@@ -23,6 +23,7 @@
 
 pub mod admission;
 pub mod body;
+pub mod connection;
 pub mod error;
 pub mod framing;
 pub mod pool;
@@ -77,15 +78,22 @@ pub struct Gateway {
     runtime: Arc<Runtime>,
     pool: pool::UpstreamPool,
     admission: Admission,
+    connections: Arc<connection::OpenConnections>,
 }
 
 impl Gateway {
-    /// A gateway over `runtime`, with an upstream pool sized from pingora's server conf.
-    pub fn new(runtime: Arc<Runtime>, conf: &ServerConf) -> Self {
+    /// A gateway over `runtime`, with an upstream pool sized from pingora's server conf;
+    /// `connections` counts its client connections (exported in `/metrics`).
+    pub fn new(
+        runtime: Arc<Runtime>,
+        conf: &ServerConf,
+        connections: Arc<connection::OpenConnections>,
+    ) -> Self {
         Gateway {
             runtime,
             pool: pool::UpstreamPool::new(conf),
             admission: Admission::new(),
+            connections,
         }
     }
 
@@ -199,6 +207,13 @@ impl Gateway {
         model_span: std::ops::Range<usize>,
         at: Instant,
     ) -> Result<(), GatewayError> {
+        let client = upstream::ClientInfo {
+            x_forwarded_for: table.forwarding.x_forwarded_for,
+            addr: session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip().to_canonical()),
+        };
         let mut excluded = Vec::new();
         let mut last_error = None;
         // The clock as of the last step: read once per attempt, not per use.
@@ -257,6 +272,7 @@ impl Gateway {
                 &target.host,
                 &target.base_path,
                 body.len() - model_span.len() + quoted_model.len(),
+                client,
             );
             let up = Upstream {
                 peer: &target.peer,
@@ -292,7 +308,7 @@ impl Gateway {
                 Ok(o) if o.status >= 500 => Outcome::Failure,
                 Ok(_) => Outcome::Success,
                 Err(ExchangeError::Retryable(_)) => Outcome::Failure,
-                Err(ExchangeError::Final(GatewayError::ClientGone(_))) => Outcome::Abandoned,
+                Err(ExchangeError::Final(e)) if e.client_unreachable() => Outcome::Abandoned,
                 Err(ExchangeError::Final(_)) => Outcome::Failure,
             };
             now_instant = match &result {
@@ -355,6 +371,9 @@ impl Gateway {
                 let _exporting = crate::metrics::EXPORT_LOCK.lock();
                 METRICS.admitted.set(self.admission.inflight() as i64);
                 METRICS
+                    .client_connections
+                    .set(self.connections.count() as i64);
+                METRICS
                     .buffered_body_bytes
                     .set(self.admission.buffered() as i64);
                 for (alias, sessions) in self.runtime.registry().session_tables() {
@@ -390,7 +409,7 @@ async fn respond(
     body: Bytes,
     extra: &[(&'static str, &str)],
 ) -> Result<(), GatewayError> {
-    let gone = |e: Box<pingora::Error>| GatewayError::ClientGone(e.to_string());
+    let gone = |e: Box<pingora::Error>| GatewayError::client_write(&e);
     let mut h = ResponseHeader::build(status, Some(3 + extra.len())).map_err(gone)?;
     h.insert_header(http::header::CONTENT_TYPE, content_type)
         .map_err(gone)?;
@@ -445,7 +464,7 @@ impl ProxyHttp for Gateway {
         let answered = session
             .response_written()
             .is_some_and(|h| !h.status.is_informational());
-        if matches!(e, GatewayError::ClientGone(_)) || answered {
+        if e.client_unreachable() || answered {
             // Nothing more can be said to this client; make pingora drop the connection. A
             // downstream write error is one pingora answers nothing to (its default
             // `fail_to_proxy` would otherwise try a bare 500 on a connection already used).
@@ -479,16 +498,19 @@ impl ProxyHttp for Gateway {
         Ok(true)
     }
 
-    /// A client that left is routine, not a gateway error: it is counted
-    /// (`rolter_request_errors_total{kind="client_disconnect"}`) and in the access line, and
-    /// pingora's own `ERROR` line for it is left out.
+    /// A client that left or stopped reading is routine, not a gateway error: it is counted
+    /// (`rolter_request_errors_total{kind="client_disconnect"}` or `"client_write_timeout"`)
+    /// and in the access line, and pingora's own `ERROR` line for it is left out.
     fn suppress_error_log(
         &self,
         _session: &Session,
         ctx: &RequestCtx,
         _e: &pingora::Error,
     ) -> bool {
-        ctx.error == Some(GatewayError::CLIENT_GONE)
+        matches!(
+            ctx.error,
+            Some(GatewayError::CLIENT_GONE | GatewayError::CLIENT_WRITE_TIMEOUT)
+        )
     }
 
     async fn upstream_peer(

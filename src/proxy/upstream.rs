@@ -11,6 +11,7 @@ use super::admission::BodyBytes;
 use super::error::GatewayError;
 use super::framing::BodyBuf;
 use super::pool::{IdleStack, UpstreamPool};
+use crate::config::XForwardedFor;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::Stream;
@@ -18,13 +19,16 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType, RetryType};
 use std::io::Write as _;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), those the gateway sets itself, and its own
-/// routing hints. The token-id header is the gateway's alone and can be hundreds of KB:
-/// vLLM behind uvicorn/h11 refuses a header section over 16 KiB, and a forwarded one
-/// would turn a long prompt's routing hint into a failed request.
+/// Hop-by-hop headers (RFC 9110 §7.6.1, plus `http2-settings`, RFC 7540 §3.2.1, and the
+/// non-standard `proxy-connection`), those the gateway sets itself, and its own routing
+/// hints. The token-id header is the gateway's alone and can be hundreds of KB: vLLM behind
+/// uvicorn/h11 refuses a header section over 16 KiB, and a forwarded one would turn a long
+/// prompt's routing hint into a failed request. Headers the client's `Connection` header
+/// names are dropped too ([`HopByHop`]).
 const NOT_FORWARDED_REQUEST: &[&str] = &[
     crate::prompt::TOKEN_IDS_HEADER,
     "connection",
@@ -35,10 +39,13 @@ const NOT_FORWARDED_REQUEST: &[&str] = &[
     "trailer",
     "transfer-encoding",
     "upgrade",
+    "http2-settings",
     "expect",
     "host",
     "content-length",
 ];
+/// The de facto standard header carrying the client address chain (`[forwarding]`).
+const X_FORWARDED_FOR: &str = "x-forwarded-for";
 const NOT_FORWARDED_RESPONSE: &[&str] =
     &["connection", "keep-alive", "proxy-connection", "upgrade"];
 
@@ -60,7 +67,7 @@ pub struct ExchangeOutcome {
     pub ttfb: Duration,
     /// Whether the upstream connection came from the pool.
     pub reused: bool,
-    /// When the upstream's response ended (its last byte read and handed to the client).
+    /// When the upstream's response ended (its last byte read).
     pub finished: Instant,
 }
 
@@ -86,27 +93,90 @@ pub struct Upstream<'a> {
     pub idle_timeout: Duration,
 }
 
+/// What the upstream is told about the client: `X-Forwarded-For` per `[forwarding]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientInfo {
+    pub x_forwarded_for: XForwardedFor,
+    /// The client's address (none on a Unix socket).
+    pub addr: Option<IpAddr>,
+}
+
+/// The request headers not forwarded: [`NOT_FORWARDED_REQUEST`] and the names the client's
+/// `Connection` header lists (RFC 9110 §7.6.1: the sender marks them hop-by-hop).
+struct HopByHop {
+    /// Listed names not in the fixed list, lowercased and sorted; empty (no allocation)
+    /// for the usual `Connection: keep-alive` or `close`. Sorted so that a header section
+    /// naming thousands of them costs a binary search per header, not a scan.
+    listed: Vec<String>,
+}
+
+impl HopByHop {
+    /// Add the names a `Connection` header value lists (the fixed ones are known already).
+    fn add_listed(listed: &mut Vec<String>, connection: &http::HeaderValue) {
+        for token in connection.as_bytes().split(|b| *b == b',') {
+            let token = token.trim_ascii();
+            if token.is_empty()
+                || NOT_FORWARDED_REQUEST
+                    .iter()
+                    .any(|n| n.as_bytes().eq_ignore_ascii_case(token))
+            {
+                continue;
+            }
+            listed.push(String::from_utf8_lossy(token).to_ascii_lowercase());
+        }
+    }
+
+    fn new(mut listed: Vec<String>) -> Self {
+        listed.sort_unstable();
+        listed.dedup();
+        HopByHop { listed }
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        NOT_FORWARDED_REQUEST.contains(&name)
+            || (!self.listed.is_empty()
+                && self
+                    .listed
+                    .binary_search_by(|l| l.as_str().cmp(name))
+                    .is_ok())
+    }
+}
+
 /// The upstream request head for a body of `body_len` bytes (after the model rewrite): the
-/// client's method and path under `base_path`, its end-to-end headers, `host` and
-/// `content-length`. The caller puts the body right behind it (`framing::BodyBuf`), so the
-/// request leaves in one write (one TCP segment on loopback instead of two).
+/// client's method and path under `base_path`, its end-to-end headers, `x-forwarded-for`
+/// (per `info`), `host` and `content-length`. The caller puts the body right behind it
+/// (`framing::BodyBuf`), so the request leaves in one write (one TCP segment on loopback
+/// instead of two).
 ///
 /// Every piece comes from an already validated source: the method, URI and header
 /// names/values were parsed by pingora (an `http` type holds no CR, LF or NUL, and a
 /// path no space), and `host`/`base_path` were checked when the routing file loaded.
+/// Two passes over the client's headers (sizes and the `Connection` header, then the
+/// copy) and no map lookup: a lookup hashes the name, a pass compares known names.
 pub fn encode_head(
     client: &RequestHeader,
     host: &str,
     base_path: &str,
     body_len: usize,
+    info: ClientInfo,
 ) -> Vec<u8> {
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let mut head_len = 64 + base_path.len() + path_and_query.len() + host.len();
+    // An upper bound (dropped headers included); the X-Forwarded-For line's own words and
+    // an address fit in the slack.
+    let mut head_len = 128 + base_path.len() + path_and_query.len() + host.len();
+    let mut listed = Vec::new();
     for (name, value) in client.headers.iter() {
-        if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
-            head_len += name.as_str().len() + value.len() + 4;
+        head_len += name.as_str().len() + value.len() + 4;
+        if name == http::header::CONNECTION {
+            HopByHop::add_listed(&mut listed, value);
         }
     }
+    let hop = HopByHop::new(listed);
+    // Under `append` and `replace` the client's own list is not copied as it stands; under
+    // `append` its values start the new one (unless the client marked it hop-by-hop).
+    let rewrite_xff = info.x_forwarded_for != XForwardedFor::Off;
+    let keep_list = info.x_forwarded_for == XForwardedFor::Append;
+    let mut list: Vec<&[u8]> = Vec::new();
     let mut out = Vec::with_capacity(head_len);
     let mut put = |parts: &[&[u8]]| parts.iter().for_each(|p| out.extend_from_slice(p));
     put(&[
@@ -117,13 +187,59 @@ pub fn encode_head(
         b" HTTP/1.1\r\n",
     ]);
     for (name, value) in client.headers.iter() {
-        if !NOT_FORWARDED_REQUEST.contains(&name.as_str()) {
-            put(&[name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
+        let name = name.as_str();
+        if hop.contains(name) {
+            continue;
         }
+        if rewrite_xff && name == X_FORWARDED_FOR {
+            if keep_list {
+                list.push(value.as_bytes());
+            }
+            continue;
+        }
+        put(&[name.as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
     }
-    put(&[b"host: ", host.as_bytes(), b"\r\ncontent-length: "]);
+    if rewrite_xff && (!list.is_empty() || info.addr.is_some()) {
+        put(&[X_FORWARDED_FOR.as_bytes(), b": "]);
+        for (i, value) in list.iter().enumerate() {
+            put(&[if i == 0 { b"" } else { b", " }, value]);
+        }
+        if let Some(ip) = info.addr {
+            if !list.is_empty() {
+                out.extend_from_slice(b", ");
+            }
+            write_ip(&mut out, ip);
+        }
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"host: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\ncontent-length: ");
     write!(out, "{body_len}\r\n\r\n").expect("writing to a Vec cannot fail");
     out
+}
+
+/// An address as text (`192.0.2.7`, `2001:db8::1`). IPv4 by hand: `Display` goes through
+/// the formatting machinery, about 700 instructions per request (callgrind,
+/// `loadtest/profile.sh`).
+fn write_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, n) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                if n >= 100 {
+                    out.push(b'0' + n / 100);
+                }
+                if n >= 10 {
+                    out.push(b'0' + n / 10 % 10);
+                }
+                out.push(b'0' + n % 10);
+            }
+        }
+        IpAddr::V6(v6) => write!(out, "{v6}").expect("writing to a Vec cannot fail"),
+    }
 }
 
 /// Send the request to the upstream and relay its response to `session`.
@@ -154,9 +270,11 @@ pub async fn exchange(
     session
         .write_response_header(Box::new(header), no_body)
         .await
-        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+        .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
 
-    // Stream the body through as it arrives: SSE chunks are never held back.
+    // Stream the body through as it arrives: SSE chunks are never held back. The chunk
+    // that ends the body waits until the upstream connection is released below.
+    let mut last = None;
     while !no_body && !http.is_body_done() {
         // A stream can pause for long (a tool call being generated).
         let read = unless_client_gone(session, http.read_body_bytes());
@@ -165,23 +283,36 @@ pub async fn exchange(
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
         };
+        if http.is_body_done() {
+            last = Some(chunk);
+            break;
+        }
         session
             .write_response_body(Some(chunk), false)
             .await
-            .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+            .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     }
-    // The upstream is done with: its connection goes back before the last write to a client
-    // that may be slow. pingora's keep-alive rules (response version and `connection`
-    // header, a body read to its end with nothing extra, no upgrade) decide whether it may.
+    // The upstream is done with: its connection goes back before the client can see the
+    // answer end (a client sending its next request at once finds it in the pool instead
+    // of racing this task to it, and opening a new one) and before the last write to a
+    // client that may be slow. pingora's keep-alive rules (response version and
+    // `connection` header, a body read to its end with nothing extra, no upgrade) decide
+    // whether it may.
     http.respect_keepalive();
     let finished = Instant::now();
     if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
         pool.put(idle, stream, up.idle_timeout, finished);
     }
+    if let Some(chunk) = last {
+        session
+            .write_response_body(Some(chunk), false)
+            .await
+            .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
+    }
     session
         .write_response_body(None, true)
         .await
-        .map_err(|e| ExchangeError::Final(GatewayError::ClientGone(e.to_string())))?;
+        .map_err(|e| ExchangeError::Final(GatewayError::client_write(&e)))?;
     Ok(ExchangeOutcome {
         status,
         ttfb,
@@ -275,16 +406,54 @@ async fn send_and_read_head(
     }))
 }
 
-/// Read the response head, skipping informational (1xx) responses (vLLM sends none, others
-/// may); 101 is final.
+/// Most informational (1xx) responses accepted ahead of the final one. vLLM sends none; a
+/// well-behaved server sends one `100 Continue` or a few `103 Early Hints`. An upstream
+/// that keeps sending them is broken (and each costs a header parse).
+const MAX_INFORMATIONAL: usize = 8;
+
+/// Read the final response head, skipping informational (1xx) responses. The whole head,
+/// 1xx responses included, must arrive within the session's read timeout: that timeout is
+/// otherwise per read, and an upstream sending `100 Continue` (or a byte of header) just
+/// often enough would hold the request forever. One timer either way: the per-read one is
+/// off while the head's deadline runs, and back on for the body.
+///
+/// A `101 Switching Protocols` is an upstream fault: rolter never asks for an upgrade (it
+/// does not forward `Upgrade`), and relaying one would hand the client whatever raw bytes
+/// follow as if they were a second response.
 async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
-    loop {
-        s.read_response().await?;
-        let status = s.get_status().map_or(0, |s| s.as_u16());
-        if !(100..200).contains(&status) || status == 101 {
-            return Ok(());
+    let read_timeout = s.read_timeout.take();
+    let head = async {
+        for _ in 0..=MAX_INFORMATIONAL {
+            s.read_response().await?;
+            match s.get_status().map_or(0, |s| s.as_u16()) {
+                101 => {
+                    return Error::e_explain(
+                        ErrorType::InvalidHTTPHeader,
+                        "101 Switching Protocols to a request that asked for no upgrade",
+                    )
+                }
+                100..=199 => continue,
+                _ => return Ok(()),
+            }
         }
-    }
+        Error::e_explain(
+            ErrorType::InvalidHTTPHeader,
+            format!("more than {MAX_INFORMATIONAL} informational (1xx) responses"),
+        )
+    };
+    let result = match read_timeout {
+        Some(limit) => pingora::time::timeout(limit, head)
+            .await
+            .unwrap_or_else(|_| {
+                Error::e_explain(
+                    ErrorType::ReadTimedout,
+                    format!("no final response header within {} ms", limit.as_millis()),
+                )
+            }),
+        None => head.await,
+    };
+    s.read_timeout = read_timeout;
+    result
 }
 
 /// Write the encoded request on a pooled or fresh connection and hand back a client
@@ -405,7 +574,11 @@ mod tests {
         assert_eq!(&body[span.clone()], br#""alias""#);
         let quoted = crate::prompt::quote_model("org/m \"q\"");
         let len = body.len() - span.len() + quoted.len();
-        let head = encode_head(&client, "10.0.0.7:8000", "/base", len);
+        let info = ClientInfo {
+            x_forwarded_for: XForwardedFor::Off,
+            addr: None,
+        };
+        let head = encode_head(&client, "10.0.0.7:8000", "/base", len, info);
         let mut buf = super::super::framing::BodyBuf::with_capacity(body.len());
         buf.extend(body);
         let out = buf.frame(&head, span, quoted.as_bytes()).unwrap().to_vec();
@@ -435,6 +608,118 @@ mod tests {
             crate::prompt::TOKEN_IDS_HEADER,
         ] {
             assert_eq!(get(gone), None, "{gone} forwarded");
+        }
+    }
+
+    /// The header lines of an encoded head, in order (name lowercased, value as sent).
+    fn header_lines(head: &[u8]) -> Vec<(String, String)> {
+        let text = std::str::from_utf8(head).unwrap();
+        text.split("\r\n")
+            .skip(1)
+            .filter_map(|l| l.split_once(": "))
+            .map(|(k, v)| (k.to_ascii_lowercase(), v.to_string()))
+            .collect()
+    }
+
+    fn request_with(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut client = RequestHeader::build("POST", b"/v1/chat/completions", None).unwrap();
+        for (k, v) in headers {
+            client.append_header(k.to_string(), *v).unwrap();
+        }
+        client
+    }
+
+    fn off() -> ClientInfo {
+        ClientInfo {
+            x_forwarded_for: XForwardedFor::Off,
+            addr: None,
+        }
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_not_forwarded() {
+        let client = request_with(&[
+            ("connection", "keep-alive, X-Secret,x-other , Keep-Alive"),
+            ("connection", "x-third"),
+            ("x-secret", "s"),
+            ("X-Other", "o"),
+            ("x-third", "t"),
+            ("http2-settings", "AAMAAABkAAQAAP__"),
+            ("x-kept", "k"),
+            ("authorization", "Bearer k"),
+        ]);
+        let lines = header_lines(&encode_head(&client, "u:1", "", 0, off()));
+        let names: Vec<&str> = lines.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["x-kept", "authorization", "host", "content-length"]);
+    }
+
+    #[test]
+    fn x_forwarded_for_appends_replaces_or_passes_the_clients_list() {
+        let with_list = request_with(&[
+            ("x-forwarded-for", "203.0.113.9"),
+            ("x-forwarded-for", "10.0.0.1, 10.0.0.2"),
+            ("x-kept", "k"),
+        ]);
+        let bare = request_with(&[("x-kept", "k")]);
+        let v4: IpAddr = "192.0.2.7".parse().unwrap();
+        let v6: IpAddr = "2001:db8::1".parse().unwrap();
+        let xff = |client: &RequestHeader, mode, addr| {
+            let info = ClientInfo {
+                x_forwarded_for: mode,
+                addr,
+            };
+            let lines = header_lines(&encode_head(client, "u:1", "", 0, info));
+            let values: Vec<String> = lines
+                .iter()
+                .filter(|(k, _)| k == "x-forwarded-for")
+                .map(|(_, v)| v.clone())
+                .collect();
+            assert!(lines.iter().any(|(k, _)| k == "x-kept"));
+            values
+        };
+        use XForwardedFor::*;
+        assert_eq!(
+            xff(&with_list, Append, Some(v4)),
+            ["203.0.113.9, 10.0.0.1, 10.0.0.2, 192.0.2.7"]
+        );
+        assert_eq!(xff(&bare, Append, Some(v6)), ["2001:db8::1"]);
+        assert_eq!(xff(&bare, Append, None), Vec::<String>::new());
+        assert_eq!(xff(&with_list, Replace, Some(v4)), ["192.0.2.7"]);
+        assert_eq!(xff(&with_list, Replace, None), Vec::<String>::new());
+        assert_eq!(
+            xff(&with_list, Off, Some(v4)),
+            ["203.0.113.9", "10.0.0.1, 10.0.0.2"]
+        );
+        // A client that marks its own list hop-by-hop does not get it forwarded.
+        let hop = request_with(&[
+            ("connection", "x-forwarded-for"),
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-kept", "k"),
+        ]);
+        assert_eq!(xff(&hop, Append, Some(v4)), ["192.0.2.7"]);
+        assert_eq!(xff(&hop, Off, Some(v4)), Vec::<String>::new());
+    }
+
+    #[test]
+    fn addresses_are_written_as_display_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "255.255.255.255",
+            "127.0.0.1",
+            "::1",
+            "2001:db8::7",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let mut out = Vec::new();
+            write_ip(&mut out, ip);
+            assert_eq!(String::from_utf8(out).unwrap(), ip.to_string());
+        }
+        for n in 0..=255u8 {
+            let ip = IpAddr::from([n, n, 0, 255 - n]);
+            let mut out = Vec::new();
+            write_ip(&mut out, ip);
+            assert_eq!(String::from_utf8(out).unwrap(), ip.to_string());
         }
     }
 

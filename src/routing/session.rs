@@ -2,9 +2,19 @@
 //! and a size cap. Concurrent (dashmap shards), bounded, and keyed by the target's
 //! stable label (`provider/model`) so entries survive config reloads.
 //!
+//! A session id is kept as a 64-bit keyed hash, never as the client's bytes: every entry
+//! has the same size (the hash, the expiry and a reference to the target label, which the
+//! config bounds), so the entry cap bounds the table's bytes however long the ids are
+//! (stored whole, 4,000 distinct 60 KB ids held 250 MiB). The hash key is random per table
+//! (SipHash, std's `RandomState`), so a client cannot craft ids that collide with another
+//! client's session; an accidental collision (about 2^-64 per pair) only moves a
+//! conversation's affinity, never its answer.
+//!
 //! Time is passed in (ms on the process's monotonic clock); no I/O.
 
 use dashmap::DashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -25,7 +35,9 @@ struct Entry {
 /// One route's sessions.
 #[derive(Debug)]
 pub struct SessionTable {
-    map: DashMap<String, Entry>,
+    /// Keyed by [`SessionTable::key`] of the session id.
+    map: DashMap<u64, Entry>,
+    ids: RandomState,
     ttl_ms: AtomicU64,
     cap: AtomicU64,
     evictions: AtomicU64,
@@ -36,6 +48,7 @@ impl SessionTable {
     pub fn new(ttl_s: u64, cap: usize) -> Self {
         SessionTable {
             map: DashMap::new(),
+            ids: RandomState::new(),
             ttl_ms: AtomicU64::new(ttl_s.saturating_mul(1000)),
             cap: AtomicU64::new(cap as u64),
             evictions: AtomicU64::new(0),
@@ -49,16 +62,22 @@ impl SessionTable {
         self.cap.store(cap as u64, Ordering::Relaxed);
     }
 
+    /// The table's key for a session id.
+    fn key(&self, session: &str) -> u64 {
+        self.ids.hash_one(session)
+    }
+
     /// The target label a live session is pinned to.
     pub fn get(&self, session: &str, now_ms: u64) -> Option<Arc<str>> {
-        let e = self.map.get(session)?;
+        let e = self.map.get(&self.key(session))?;
         (now_ms < e.expires_ms).then(|| e.target.clone())
     }
 
     /// Pin (or re-pin) a session to `target` from `now_ms` for one TTL.
     pub fn put(&self, session: &str, target: &str, now_ms: u64) {
         let expires_ms = now_ms.saturating_add(self.ttl_ms.load(Ordering::Relaxed));
-        match self.map.get_mut(session) {
+        let key = self.key(session);
+        match self.map.get_mut(&key) {
             Some(mut e) => {
                 if &*e.target != target {
                     e.target = Arc::from(target);
@@ -71,7 +90,7 @@ impl SessionTable {
                     self.make_room(now_ms, cap);
                 }
                 self.map.insert(
-                    session.to_string(),
+                    key,
                     Entry {
                         target: Arc::from(target),
                         expires_ms,
