@@ -306,7 +306,16 @@ struct Inner {
     removed_q: VecDeque<(EngineKey, u64)>,
     next_stamp: u64,
     gpu_entries: usize,
+    /// Own hashes that went from resident to not resident, most recent last (bounded by
+    /// [`MAX_GONE`]): what the replica said it no longer holds, for
+    /// [`ResidencyIndex::unannounced_run`].
+    gone: std::collections::HashSet<u64, MixBuild>,
+    gone_q: VecDeque<u64>,
 }
+
+/// Most evicted own hashes remembered for [`ResidencyIndex::unannounced_run`]: the pending
+/// overlay it guards lives a few seconds, far less than it takes to evict this many.
+const MAX_GONE: usize = 1 << 16;
 
 impl Inner {
     fn clear_blocks(&mut self) {
@@ -335,6 +344,14 @@ impl Inner {
         refs.any = (i64::from(refs.any) + any_delta) as u32;
         if refs.any == 0 {
             self.own.remove(&own);
+            if self.gone.insert(own) {
+                self.gone_q.push_back(own);
+                if self.gone_q.len() > MAX_GONE {
+                    if let Some(old) = self.gone_q.pop_front() {
+                        self.gone.remove(&old);
+                    }
+                }
+            }
         }
     }
 
@@ -643,6 +660,23 @@ impl ResidencyIndex {
         m
     }
 
+    /// How many blocks of `chain`, from block `from` on, the replica has never announced
+    /// (neither resident nor stored-then-removed), in a row. A block it stored and since
+    /// evicted stops the run: the gateway's own note that it routed the block there
+    /// (`prefix::pending`) must not outlive the replica's word that it is gone. With
+    /// no learned block size (or another one) nothing has been announced.
+    pub fn unannounced_run(&self, chain: &PrefixChain, from: usize) -> usize {
+        let hashes = chain.hashes.get(from..).unwrap_or(&[]);
+        if self.block_size() != Some(chain.block_size) {
+            return hashes.len();
+        }
+        let inner = self.inner.read();
+        hashes
+            .iter()
+            .take_while(|h| !inner.own.contains_key(*h) && !inner.gone.contains(*h))
+            .count()
+    }
+
     /// [`Self::match_chain`] with the learned block size; `lora` as in [`PrefixChain::new`].
     pub fn match_prefix(&self, token_ids: &[u32], lora: Option<&str>) -> BlockMatch {
         match self.block_size() {
@@ -805,6 +839,29 @@ mod tests {
         idx.apply(&[stored(&[12], Some(11), &t[4..8], None)]);
         assert_eq!(idx.match_blocks(&t, BS as usize), 3);
         idx.check_invariants();
+    }
+
+    #[test]
+    fn unannounced_runs_stop_at_any_block_the_replica_ever_stored() {
+        let idx = ResidencyIndex::new(100);
+        let t = toks(4, 300);
+        let chain = PrefixChain::new(&t, BS, None);
+        assert_eq!(idx.unannounced_run(&chain, 0), 4, "nothing learned yet");
+        idx.apply(&[stored(&[21, 22], None, &t[..8], None)]);
+        assert_eq!(idx.unannounced_run(&chain, 0), 0);
+        assert_eq!(
+            idx.unannounced_run(&chain, 2),
+            2,
+            "blocks 2 and 3 never stored"
+        );
+        // Stored then evicted: announced, so no longer "about to be held".
+        idx.apply(&[stored(&[23], Some(22), &t[8..12], None)]);
+        idx.apply(&[removed(&[23], None)]);
+        assert_eq!(idx.match_chain(&chain).gpu_blocks, 2);
+        assert_eq!(idx.unannounced_run(&chain, 2), 0);
+        assert_eq!(idx.unannounced_run(&chain, 10), 0, "past the end");
+        let other = PrefixChain::new(&t, 2, None);
+        assert_eq!(idx.unannounced_run(&other, 0), 8, "another block size");
     }
 
     #[test]

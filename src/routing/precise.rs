@@ -4,8 +4,9 @@
 //! with the shared rule of [`super::placement`] in exact tokens.
 //!
 //! Token ids come from `x-rolter-vllm-token-ids`. The request's blocks are chained once
-//! per block size the targets' indices learned from their events (usually one), never
-//! an assumed size. Safe fallbacks: no (or malformed) ids → least-load (`fallback`);
+//! per block size the targets' indices learned from their events (usually one); only the
+//! pending overlay of a replica that has not announced anything yet assumes vLLM's
+//! default. Safe fallbacks: no (or malformed) ids → least-load (`fallback`);
 //! fewer tokens than one block → nothing cached anywhere (`below_threshold`); a target
 //! whose stream is untrusted (gap, stale, restart, no events yet) holds nothing — it is
 //! not excluded, it just wins nothing on cache.
@@ -48,50 +49,49 @@ impl PreciseCacheAware {
     }
 }
 
-/// The request's block chains, one per block size the trusted targets use.
-fn chains_for(tokens: &[u32], fleet: &FleetView) -> Vec<PrefixChain> {
+/// Block size of the pending overlay on a replica whose events have not told it yet: vLLM's
+/// default (through 0.33). A wrong guess only makes pending blocks miss until the index
+/// learns the real size.
+pub const DEFAULT_PENDING_BLOCK_SIZE: u32 = 16;
+
+/// The block size `kv`'s blocks are chained with: the learned one, else the default.
+fn block_size_of(kv: &KvView) -> u32 {
+    kv.index.block_size().unwrap_or(DEFAULT_PENDING_BLOCK_SIZE)
+}
+
+/// Tokens of the request each eligible target holds, as (index, tokens): the leading
+/// blocks its replica reported resident (trusted streams only), then those routed there
+/// and not announced since (the gateway's own knowledge, trusted or not; a block the
+/// replica stored and then evicted is not held, whatever was routed).
+pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize, f64)> {
     let mut chains: Vec<PrefixChain> = Vec::new();
     for i in fleet.eligible() {
-        let Some(bs) = fleet.candidates[i]
-            .kv
-            .filter(|kv| kv.trusted)
-            .and_then(|kv| kv.index.block_size())
-        else {
-            continue;
-        };
-        if chains.iter().all(|c| c.block_size() != bs) {
-            chains.push(PrefixChain::new(tokens, bs, None));
+        if let Some(kv) = fleet.candidates[i].kv {
+            let bs = block_size_of(&kv);
+            if chains.iter().all(|c| c.block_size() != bs) {
+                chains.push(PrefixChain::new(tokens, bs, None));
+            }
         }
     }
-    chains
-}
-
-/// Leading blocks of `chain` resident on `kv`'s replica, and those pending after them.
-fn held_blocks(kv: &KvView, chain: &PrefixChain, now_ms: u64) -> (usize, usize) {
-    let resident = kv.index.match_chain(chain).gpu_blocks;
-    let pending = kv
-        .pending
-        .map_or(0, |p| p.run_from(chain, resident, now_ms));
-    (resident, pending)
-}
-
-/// Tokens of the request each eligible target holds (resident or pending), as (index,
-/// tokens); untrusted targets and those without a learned block size hold none.
-pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize, f64)> {
-    let chains = chains_for(tokens, fleet);
     fleet
         .eligible()
         .map(|i| {
-            let held = fleet.candidates[i]
-                .kv
-                .filter(|kv| kv.trusted)
-                .and_then(|kv| {
-                    let bs = kv.index.block_size()?;
-                    let chain = chains.iter().find(|c| c.block_size() == bs)?;
-                    let (resident, pending) = held_blocks(&kv, chain, now_ms);
-                    Some(((resident + pending) * bs as usize) as f64)
-                })
-                .unwrap_or(0.0);
+            let held = fleet.candidates[i].kv.map_or(0.0, |kv| {
+                let bs = block_size_of(&kv);
+                let Some(chain) = chains.iter().find(|c| c.block_size() == bs) else {
+                    return 0.0;
+                };
+                let resident = if kv.trusted {
+                    kv.index.match_chain(chain).gpu_blocks
+                } else {
+                    0
+                };
+                let pending = kv.pending.map_or(0, |p| {
+                    p.run_from(chain, resident, now_ms)
+                        .min(kv.index.unannounced_run(chain, resident))
+                });
+                ((resident + pending) * bs as usize) as f64
+            });
             (i, held)
         })
         .collect()
@@ -154,14 +154,16 @@ impl Strategy for PreciseCacheAware {
             return;
         };
         let Some(kv) = c.kv else { return };
-        let Some(bs) = kv.index.block_size() else {
-            return;
-        };
-        let chain = PrefixChain::new(tokens, bs, None);
+        let chain = PrefixChain::new(tokens, block_size_of(&kv), None);
         let resident = kv.index.match_chain(&chain).gpu_blocks;
         if chain.len() > resident {
             if let Some(pending) = kv.pending {
                 pending.note(&chain, resident, input.now_ms);
+            }
+            // Only a replica whose events have shown its block size can be expected to
+            // announce these blocks.
+            if kv.index.block_size().is_none() {
+                return;
             }
             if let Some(stream) = kv.stream {
                 stream.note_routed();
@@ -288,5 +290,52 @@ mod tests {
             .select(&input(&tokens), &FleetView::new(&c))
             .unwrap();
         assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
+    }
+
+    /// Before any replica has announced a block, a burst of requests sharing a prefix
+    /// follows the first one (the pending overlay), until the guard spreads it.
+    #[test]
+    fn a_burst_sharing_a_new_prefix_follows_the_first_request() {
+        let idx: Vec<ResidencyIndex> = (0..3).map(|_| ResidencyIndex::new(100)).collect();
+        let pending: Vec<PendingBlocks> = (0..3).map(|_| PendingBlocks::default()).collect();
+        let labels = ["a", "b", "c"];
+        let shared: Vec<u32> = (0..2000).collect();
+        let mut loads = [0u64; 3];
+        let strategy = PreciseCacheAware::default();
+        let mut homes = Vec::new();
+        for user in 0..12u32 {
+            let mut tokens = shared.clone();
+            tokens.extend(10_000 + user * 100..10_000 + user * 100 + 40);
+            let c: Vec<Candidate> = (0..3)
+                .map(|i| Candidate {
+                    inflight: loads[i],
+                    eligible: true,
+                    weight: 1,
+                    prefix: None,
+                    label: labels[i],
+                    kv: Some(KvView {
+                        index: &idx[i],
+                        trusted: false,
+                        stream: None,
+                        pending: Some(&pending[i]),
+                    }),
+                    lmcache: None,
+                })
+                .collect();
+            let view = FleetView::new(&c);
+            let input = RouteInput {
+                token_ids: Some(&tokens),
+                now_ms: 1_000 + u64::from(user),
+                ..Default::default()
+            };
+            let d = strategy.select(&input, &view).unwrap();
+            strategy.record(&input, &view, &d);
+            loads[d.target] += 1;
+            homes.push(d.target);
+        }
+        // The first 7 share a home (a new conversation moves past 6 beyond the least
+        // loaded); then the group opens a second one.
+        assert!(homes[..7].iter().all(|&h| h == homes[0]), "{homes:?}");
+        assert_ne!(homes[7], homes[0], "{homes:?}");
     }
 }
