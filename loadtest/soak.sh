@@ -11,7 +11,7 @@
 # SOAK_CLIENTS (2 closed-loop clients per driver), SOAK_SAMPLE_SECS (10), SOAK_BUILD (1: run
 # `cargo build --release` first; 0 uses the binaries already in $CARGO_TARGET_DIR/release),
 # SOAK_FAULT_EVERY (30 s between faults), SOAK_FAULTS (which steps of the cycle below to
-# inject, in order, e.g. "7" for KV stalls only; default all: "0 1 2 3 4 5 6 7 8 9"),
+# inject, in order, e.g. "7" for KV stalls only; default all: "0 1 2 3 4 5 6 7 8 9 10"),
 # SOAK_FLOOD_CONNECTIONS (7000 idle connections in the connection-flood step).
 #
 # What runs: four single-replica `rolter-sim` processes (one process per replica, so a
@@ -43,14 +43,14 @@ TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 BIN="$TARGET/release"
 REPLICAS=4
 FAULT_EVERY="${SOAK_FAULT_EVERY:-30}"
-read -r -a FAULTS <<< "${SOAK_FAULTS:-0 1 2 3 4 5 6 7 8 9}"
+read -r -a FAULTS <<< "${SOAK_FAULTS:-0 1 2 3 4 5 6 7 8 9 10}"
 FLOOD_CONNECTIONS="${SOAK_FLOOD_CONNECTIONS:-7000}"
 KILL_DOWN_SECS=10
 GW_PORT=$((BASE + 80))
 GW="http://127.0.0.1:$GW_PORT"
 
 if [ "$BUILD" = 1 ]; then
-  cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-sim --bin rolter-load
+  cargo build --release -q -p rolter --bin rolter -p rolter-loadtest --bin rolter-sim --bin rolter-load --bin zmq-frame-bomb
 fi
 for b in rolter rolter-sim rolter-load; do
   [ -x "$BIN/$b" ] || { echo "missing $BIN/$b (build with cargo build --release --workspace)" >&2; exit 2; }
@@ -63,7 +63,7 @@ fi
 WORK=$(mktemp -d /tmp/rolter-soak.XXXXXX)
 # Private copies: a rebuild in the shared target directory must not swap binaries mid-soak.
 mkdir -p "$WORK/bin"
-cp "$BIN/rolter" "$BIN/rolter-sim" "$BIN/rolter-load" "$WORK/bin/"
+cp "$BIN/rolter" "$BIN/rolter-sim" "$BIN/rolter-load" "$BIN/zmq-frame-bomb" "$WORK/bin/"
 BIN="$WORK/bin"
 mkdir -p "$(dirname "$REPORT")"
 SIM_PIDS=()
@@ -79,11 +79,12 @@ cleanup() {
 trap cleanup EXIT
 
 port_busy() { ss -ltn "sport = :$1" | grep -q LISTEN; }
-for p in $GW_PORT $(seq $((BASE + 1)) $((BASE + REPLICAS))) $(seq $((BASE + 101)) $((BASE + 100 + 2 * REPLICAS))); do
+for p in $GW_PORT $BOMB_PORT $(seq $((BASE + 1)) $((BASE + REPLICAS))) $(seq $((BASE + 101)) $((BASE + 100 + 2 * REPLICAS))); do
   if port_busy "$p"; then echo "port $p is in use; set SOAK_PORT_BASE" >&2; exit 2; fi
 done
 
 http_port() { echo $((BASE + 1 + $1)); }
+BOMB_PORT=$((BASE + 199))
 kv_port() { echo $((BASE + 101 + 2 * $1)); }
 
 start_replica() { # index
@@ -121,6 +122,17 @@ endpoint = "http://127.0.0.1:$(http_port "$i")/cache/status"
 
 EOF
   done
+  # A provider no route uses, whose KV-event endpoint is the frame-bomb step's hostile
+  # publisher: the gateway dials it (and is refused) until that step listens there.
+  cat <<EOF
+[[providers]]
+name = "bomb"
+kind = "openai_compatible"
+api_base = "http://127.0.0.1:$(http_port 0)"
+[providers.kv_events]
+endpoint = "tcp://127.0.0.1:$BOMB_PORT"
+
+EOF
   for spec in "mt cache_aware" "fs precise_cache_aware" "uq lmcache_aware" "pl pipeline"; do
     set -- $spec
     printf '[[routes]]\nmodel = "%s"\nstrategy = "%s"\ntrie_max_nodes = 20000\n' "$1" "$2"
@@ -239,6 +251,9 @@ while [ "$(date +%s)" -lt "$END" ]; do
       8) fault "SIGHUP with an invalid routing file (must be refused), then the good one back"
          echo 'this is = not [valid' > "$WORK/routes.toml"; kill -HUP "$GW_PID"; sleep 2
          routes 1 > "$WORK/routes.toml"; kill -HUP "$GW_PID" ;;
+      10) fault "ZMQ frame bomb: a KV-event publisher the gateway dials declares a 2^50-byte frame (3 times)"
+         ( "$BIN/zmq-frame-bomb" --listen "127.0.0.1:$BOMB_PORT" --count 3 --wait-ms 20000 \
+             --health "http://127.0.0.1:$GW_PORT/health" >> "$WORK/bombs.txt" 2>&1 ) & ;;
       9) fault "connection flood: $FLOOD_CONNECTIONS idle connections held 10 s"
          ( python3 "$ROOT/loadtest/flood.py" idle --port "$GW_PORT" --connections "$FLOOD_CONNECTIONS" \
              --hold-secs 10 >> "$WORK/floods.txt" 2>&1 ) & ;;
@@ -316,6 +331,8 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
   echo "| SIGHUP reloads ok / refused | $reloads_ok / $reloads_failed |"
   echo "| gateway alive at the end | $ALIVE |"
   echo "| connection floods (opened, closed by the gateway) | $(paste -sd ';' "$WORK/floods.txt" 2>/dev/null || echo none) |"
+  echo "| ZMQ frame bombs (summary line of each zmq-frame-bomb run) | $(grep -h exchanges "$WORK/bombs.txt" 2>/dev/null | paste -sd ';' || echo none) |"
+  echo "| KV-event protocol errors counted (\`rolter_kv_stream_total{kind=\"protocol_errors\"}\`) | $(metric_sum '^rolter_kv_stream_total.*protocol_errors' "$WORK/final.txt") |"
   echo "| client connections refused at accept (\`rolter_client_connections_refused_total\`) | $(metric_sum '^rolter_client_connections_refused_total$' "$WORK/final.txt") |"
   echo "| RSS after warm-up (t ≥ ${WARM} s): first / last / max | $((rss_warm / 1024)) / $((rss_last / 1024)) / $((rss_max / 1024)) MiB |"
   echo "| open fds after warm-up: min / max | $fd_min / $fd_max |"
