@@ -310,3 +310,51 @@ async fn the_index_equals_the_replicas_cache_block_for_block() {
     let _ = task.await;
     fleet.shutdown().await;
 }
+
+/// The staleness clock starts when a request is routed, not when its answer starts: a
+/// replica whose HTTP side hangs (so it never answers, and never stores the blocks) makes
+/// its stream stale within `staleness_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_hangs_makes_its_stream_stale() {
+    let fleet = spawn_fleet(FleetConfig::default()).await.unwrap();
+    let gw = Gateway::start(&routes(&fleet)).await;
+    wait_subscribed(&gw, 2).await;
+    let conv = conversation(3, 2);
+    warm(&fleet, 1, &conv).await;
+    let blocks = fleet.replica(1).cached_block_hashes().len() as f64;
+    assert!(
+        metric_eventually(&gw, "rolter_kv_index_blocks{provider=\"r1\"}", |v| v
+            == blocks)
+        .await
+    );
+    fleet
+        .replica(1)
+        .set_http_fault(rolter_loadtest::replica::HttpFault::Hang);
+    // A longer conversation: its blocks are on r1 as far as they go, the rest must be
+    // stored there. The request never gets an answer; the client gives up.
+    let longer = conversation(3, 4);
+    let ids = token_header_value(&chat_tokens(&longer));
+    let hung = tokio::time::timeout(
+        Duration::from_millis(500),
+        post_chat_with(&gw, body(&longer), &[("x-rolter-vllm-token-ids", &ids)]),
+    )
+    .await;
+    assert!(hung.is_err(), "the hanging replica answered");
+    assert_eq!(
+        fleet.replica(1).stats().requests,
+        2,
+        "the request reached r1"
+    );
+    assert!(
+        metric_eventually(
+            &gw,
+            "rolter_kv_stream_total{kind=\"stale\",provider=\"r1\"}",
+            |v| v >= 1.0
+        )
+        .await,
+        "r1's stream never went stale"
+    );
+    fleet
+        .replica(1)
+        .set_http_fault(rolter_loadtest::replica::HttpFault::None);
+}
