@@ -480,8 +480,12 @@ pub fn rewrite_model_into(
 
 /// Where the first two messages of encoded prompt bytes end (the index just past each
 /// unescaped RS), for placement keys; `None` where the prompt has fewer messages (a
-/// completion prompt has none). Scans only as far as the second boundary.
+/// completion prompt has none: its token ids are raw bytes, not escaped text). Scans only
+/// as far as the second boundary.
 pub fn first_two_message_ends(prompt: &[u8]) -> (Option<usize>, Option<usize>) {
+    if prompt.first() != Some(&TAG_CHAT) {
+        return (None, None);
+    }
     let mut ends = [None, None];
     let mut found = 0;
     let mut i = 0;

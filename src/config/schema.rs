@@ -332,8 +332,9 @@ pub struct RouteConfig {
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
-    /// Average prompt bytes per token of this route's traffic, to turn a provider's
-    /// `kv_cache_tokens` into a trie size.
+    /// Average prompt bytes per token of this route's traffic: turns a provider's
+    /// `kv_cache_tokens` into a trie size, and prompt bytes into the tokens the placement
+    /// rule weighs (cache_aware, pipeline).
     #[serde(default = "default_prompt_bytes_per_token")]
     pub prompt_bytes_per_token: f64,
     /// Session affinity lifetime after a session's last request (pipeline).

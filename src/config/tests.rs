@@ -499,3 +499,42 @@ fn client_connection_limits_have_defaults_and_bounds() {
         "{text}"
     );
 }
+
+/// The placement rule's keys: defaulted to the documented values, refused outside their
+/// ranges (one line each), and carried into the route's rule.
+#[test]
+fn placement_keys_are_defaulted_and_bounded() {
+    let with = |extra: &str| {
+        GOOD.replace(
+            "strategy = \"round_robin\"",
+            &format!("strategy = \"cache_aware\"\n{extra}"),
+        )
+    };
+    let c = parse(&with(""), "p.toml").unwrap();
+    let rule = crate::routing::placement_rule(&c.routes[0]);
+    assert_eq!(rule, crate::routing::placement::PlacementRule::default());
+    assert_eq!(rule.load_cost_tokens, 200.0);
+    assert_eq!((rule.balance_abs, rule.balance_rel), (6, 1.3));
+    let c = parse(
+        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0"),
+        "p.toml",
+    )
+    .unwrap();
+    assert_eq!(crate::routing::placement_rule(&c.routes[0]).balance_abs, 0);
+    for (bad, key) in [
+        ("load_cost_tokens = -1.0", "load_cost_tokens"),
+        ("load_cost_tokens = nan", "load_cost_tokens"),
+        ("load_cost_tokens = 2e6", "load_cost_tokens"),
+        ("balance_abs = 1000001", "balance_abs"),
+        ("balance_rel = 0.9", "balance_rel"),
+        ("balance_rel = inf", "balance_rel"),
+        ("prompt_bytes_per_token = 1e-306", "prompt_bytes_per_token"),
+    ] {
+        let problems = parse(&with(bad), "p.toml").unwrap_err().problems();
+        assert_eq!(problems.len(), 1, "{bad}: {problems:?}");
+        assert!(
+            problems[0].starts_with(&format!("routes[0].{key}: must be")),
+            "{bad}: {problems:?}"
+        );
+    }
+}

@@ -110,9 +110,9 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 crate::prefix::trie::MAX_NODES_LIMIT
             ));
         }
-        if !(r.prompt_bytes_per_token > 0.0 && r.prompt_bytes_per_token <= 64.0) {
+        if !(r.prompt_bytes_per_token >= 0.5 && r.prompt_bytes_per_token <= 64.0) {
             out.push(format!(
-                "routes[{i}].prompt_bytes_per_token: must be greater than 0 and at most 64"
+                "routes[{i}].prompt_bytes_per_token: must be between 0.5 and 64"
             ));
         }
         // 0 would time out every request of the route (504) and trip the breakers of

@@ -6,7 +6,9 @@
 //! burst of requests sharing a new prefix sees an empty index and scatters: every
 //! replica then computes the same prefix. Precise routing therefore counts a block as
 //! held when the residency index has it *or* it was routed here within
-//! [`PENDING_TTL_MS`], in the same chained hashes ([`PrefixChain`]).
+//! [`PENDING_TTL_MS`] and the replica has not reported evicting it since (each note
+//! carries the index's stamp; [`ResidencyIndex::with_evictions`] tells when a block
+//! went), in the same chained hashes ([`PrefixChain`]).
 //!
 //! Owns only that short-lived set. Bounded in entries (oldest dropped first); entries
 //! expire by time, read lazily. One mutex per target, held for a few hash-map
@@ -16,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 
 use parking_lot::Mutex;
 
-use super::residency::PrefixChain;
+use super::residency::{PrefixChain, ResidencyIndex};
 
 /// How long a routed request's blocks count as held before its replica's events confirm
 /// them: a prefill plus queueing at a busy replica, with room to spare. Blocks the
@@ -35,8 +37,8 @@ pub struct PendingBlocks {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Own block hash → expiry (ms).
-    expiry: HashMap<u64, u64>,
+    /// Own block hash → (expiry in ms, the index's stamp when noted).
+    expiry: HashMap<u64, (u64, u64)>,
     /// Insertion order with the expiry written then; stale pairs (re-noted since) are
     /// skipped when popped.
     order: VecDeque<(u64, u64)>,
@@ -57,8 +59,9 @@ impl PendingBlocks {
         }
     }
 
-    /// Note the blocks of `chain` from block `from` on as routed here at `now_ms`.
-    pub fn note(&self, chain: &PrefixChain, from: usize, now_ms: u64) {
+    /// Note the blocks of `chain` from block `from` on as routed here at `now_ms`, when the
+    /// replica's index stood at `stamp` ([`ResidencyIndex::stamp`]).
+    pub fn note(&self, chain: &PrefixChain, from: usize, now_ms: u64, stamp: u64) {
         let hashes = chain.hashes().get(from..).unwrap_or(&[]);
         if hashes.is_empty() {
             return;
@@ -67,7 +70,7 @@ impl PendingBlocks {
         let mut inner = self.inner.lock();
         inner.drop_expired(now_ms);
         for &h in hashes.iter().take(self.max_entries) {
-            inner.expiry.insert(h, expires);
+            inner.expiry.insert(h, (expires, stamp));
             inner.order.push_back((h, expires));
         }
         while inner.expiry.len() > self.max_entries {
@@ -76,13 +79,20 @@ impl PendingBlocks {
         // Keep the queue O(entries) when the same blocks are noted again and again.
         if inner.order.len() > 2 * self.max_entries.max(inner.expiry.len()) {
             let Inner { expiry, order } = &mut *inner;
-            order.retain(|(h, e)| expiry.get(h) == Some(e));
+            order.retain(|(h, e)| expiry.get(h).is_some_and(|v| v.0 == *e));
         }
     }
 
     /// How many blocks of `chain`, starting at block `from`, are pending in a row at
-    /// `now_ms` (the caller passes the length of the resident run as `from`).
-    pub fn run_from(&self, chain: &PrefixChain, from: usize, now_ms: u64) -> usize {
+    /// `now_ms` (the caller passes the length of the resident run as `from`): noted, not
+    /// expired, and not evicted by the replica since the note (per `index`).
+    pub fn run_from(
+        &self,
+        chain: &PrefixChain,
+        from: usize,
+        now_ms: u64,
+        index: &ResidencyIndex,
+    ) -> usize {
         let hashes = chain.hashes().get(from..).unwrap_or(&[]);
         if hashes.is_empty() {
             return 0;
@@ -91,10 +101,16 @@ impl PendingBlocks {
         if inner.expiry.is_empty() {
             return 0;
         }
-        hashes
-            .iter()
-            .take_while(|h| inner.expiry.get(h).is_some_and(|&e| e > now_ms))
-            .count()
+        index.with_evictions(|evicted_at| {
+            hashes
+                .iter()
+                .take_while(|&&h| {
+                    inner.expiry.get(&h).is_some_and(|&(expires, noted)| {
+                        expires > now_ms && evicted_at(h).is_none_or(|at| at <= noted)
+                    })
+                })
+                .count()
+        })
     }
 
     /// Blocks currently held (expired ones not yet dropped included).
@@ -125,7 +141,7 @@ impl Inner {
 
     fn pop_oldest(&mut self) {
         if let Some((h, e)) = self.order.pop_front() {
-            if self.expiry.get(&h) == Some(&e) {
+            if self.expiry.get(&h).is_some_and(|v| v.0 == e) {
                 self.expiry.remove(&h);
             }
         }
@@ -136,6 +152,10 @@ impl Inner {
 mod tests {
     use super::*;
 
+    fn idx() -> ResidencyIndex {
+        ResidencyIndex::new(10)
+    }
+
     fn chain(n: u32) -> PrefixChain {
         PrefixChain::new(&(0..n * 4).collect::<Vec<u32>>(), 4, None)
     }
@@ -144,29 +164,37 @@ mod tests {
     fn noted_blocks_count_until_they_expire() {
         let p = PendingBlocks::default();
         let c = chain(5);
-        assert_eq!(p.run_from(&c, 0, 0), 0);
-        p.note(&c, 2, 1000);
+        assert_eq!(p.run_from(&c, 0, 0, &idx()), 0);
+        p.note(&c, 2, 1000, 0);
         assert_eq!(
-            p.run_from(&c, 0, 1000),
+            p.run_from(&c, 0, 1000, &idx()),
             0,
             "block 0 was resident, not pending"
         );
-        assert_eq!(p.run_from(&c, 2, 1000), 3);
-        assert_eq!(p.run_from(&c, 2, 1000 + PENDING_TTL_MS - 1), 3);
-        assert_eq!(p.run_from(&c, 2, 1000 + PENDING_TTL_MS), 0, "expired");
+        assert_eq!(p.run_from(&c, 2, 1000, &idx()), 3);
+        assert_eq!(p.run_from(&c, 2, 1000 + PENDING_TTL_MS - 1, &idx()), 3);
+        assert_eq!(
+            p.run_from(&c, 2, 1000 + PENDING_TTL_MS, &idx()),
+            0,
+            "expired"
+        );
         // A longer request sharing the prefix runs through the noted blocks only.
-        assert_eq!(p.run_from(&chain(8), 2, 1500), 3);
+        assert_eq!(p.run_from(&chain(8), 2, 1500, &idx()), 3);
     }
 
     #[test]
     fn the_set_is_bounded_oldest_first() {
         let p = PendingBlocks::new(4);
-        p.note(&chain(3), 0, 0);
+        p.note(&chain(3), 0, 0, 0);
         let other = PrefixChain::new(&[9; 12], 4, None);
-        p.note(&other, 0, 1);
+        p.note(&other, 0, 1, 0);
         assert!(p.len() <= 4);
-        assert_eq!(p.run_from(&other, 0, 2), 3, "the newest survive");
-        assert_eq!(p.run_from(&chain(3), 0, 2), 0, "the oldest went first");
+        assert_eq!(p.run_from(&other, 0, 2, &idx()), 3, "the newest survive");
+        assert_eq!(
+            p.run_from(&chain(3), 0, 2, &idx()),
+            0,
+            "the oldest went first"
+        );
     }
 
     #[test]
@@ -174,19 +202,57 @@ mod tests {
         let p = PendingBlocks::new(8);
         let c = chain(4);
         for t in 0..10_000u64 {
-            p.note(&c, 0, t);
+            p.note(&c, 0, t, 0);
         }
         assert_eq!(p.len(), 4);
         assert!(p.inner.lock().order.len() <= 2 * 8 + 4);
-        assert_eq!(p.run_from(&c, 0, 10_000), 4, "refreshed by the last note");
+        assert_eq!(
+            p.run_from(&c, 0, 10_000, &idx()),
+            4,
+            "refreshed by the last note"
+        );
     }
 
     #[test]
     fn clear_forgets() {
         let p = PendingBlocks::default();
-        p.note(&chain(2), 0, 0);
+        p.note(&chain(2), 0, 0, 0);
         p.clear();
         assert!(p.is_empty());
-        assert_eq!(p.run_from(&chain(2), 0, 1), 0);
+        assert_eq!(p.run_from(&chain(2), 0, 1, &idx()), 0);
+    }
+
+    #[test]
+    fn a_block_evicted_after_its_note_stops_the_run_one_evicted_before_does_not() {
+        use crate::kv_events::decode::{BlockHash, BlockRemoved, BlockStored, KvEvent};
+        let tokens: Vec<u32> = (0..8).collect();
+        let c = PrefixChain::new(&tokens, 4, None);
+        let index = ResidencyIndex::new(10);
+        let store = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![BlockHash(1), BlockHash(2)],
+            parent_block_hash: None,
+            token_ids: tokens.clone(),
+            block_size: 4,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: None,
+            group_idx: None,
+        });
+        let remove = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![BlockHash(1), BlockHash(2)],
+            medium: None,
+            group_idx: None,
+        });
+        // Stored and evicted a while ago, then routed here again: counts.
+        index.apply(std::slice::from_ref(&store));
+        index.apply(std::slice::from_ref(&remove));
+        let p = PendingBlocks::default();
+        p.note(&c, 0, 100, index.stamp());
+        assert_eq!(p.run_from(&c, 0, 200, &index), 2);
+        // Evicted after this note: the replica's word wins.
+        index.apply(&[store]);
+        index.apply(&[remove]);
+        assert_eq!(p.run_from(&c, 0, 300, &index), 0);
     }
 }

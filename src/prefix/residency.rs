@@ -306,14 +306,14 @@ struct Inner {
     removed_q: VecDeque<(EngineKey, u64)>,
     next_stamp: u64,
     gpu_entries: usize,
-    /// Own hashes that went from resident to not resident, most recent last (bounded by
-    /// [`MAX_GONE`]): what the replica said it no longer holds, for
-    /// [`ResidencyIndex::unannounced_run`].
-    gone: std::collections::HashSet<u64, MixBuild>,
-    gone_q: VecDeque<u64>,
+    /// Own hashes that went from resident to not resident → the stamp of that removal,
+    /// bounded by [`MAX_GONE`] (oldest first): what the replica said it no longer holds,
+    /// for [`ResidencyIndex::with_evictions`].
+    gone: HashMap<u64, u64, MixBuild>,
+    gone_q: VecDeque<(u64, u64)>,
 }
 
-/// Most evicted own hashes remembered for [`ResidencyIndex::unannounced_run`]: the pending
+/// Most evicted own hashes remembered for [`ResidencyIndex::with_evictions`]: the pending
 /// overlay it guards lives a few seconds, far less than it takes to evict this many.
 const MAX_GONE: usize = 1 << 16;
 
@@ -344,10 +344,12 @@ impl Inner {
         refs.any = (i64::from(refs.any) + any_delta) as u32;
         if refs.any == 0 {
             self.own.remove(&own);
-            if self.gone.insert(own) {
-                self.gone_q.push_back(own);
-                if self.gone_q.len() > MAX_GONE {
-                    if let Some(old) = self.gone_q.pop_front() {
+            let stamp = self.stamp();
+            self.gone.insert(own, stamp);
+            self.gone_q.push_back((own, stamp));
+            while self.gone_q.len() > MAX_GONE {
+                if let Some((old, at)) = self.gone_q.pop_front() {
+                    if self.gone.get(&old) == Some(&at) {
                         self.gone.remove(&old);
                     }
                 }
@@ -660,21 +662,18 @@ impl ResidencyIndex {
         m
     }
 
-    /// How many blocks of `chain`, from block `from` on, the replica has never announced
-    /// (neither resident nor stored-then-removed), in a row. A block it stored and since
-    /// evicted stops the run: the gateway's own note that it routed the block there
-    /// (`prefix::pending`) must not outlive the replica's word that it is gone. With
-    /// no learned block size (or another one) nothing has been announced.
-    pub fn unannounced_run(&self, chain: &PrefixChain, from: usize) -> usize {
-        let hashes = chain.hashes.get(from..).unwrap_or(&[]);
-        if self.block_size() != Some(chain.block_size) {
-            return hashes.len();
-        }
+    /// The index's logical clock: it advances with every store and removal. A caller that
+    /// notes something at stamp `t` can later ask whether a block was evicted after it.
+    pub fn stamp(&self) -> u64 {
+        self.inner.read().next_stamp
+    }
+
+    /// Run `f` with a lookup of when an own hash was last evicted (its stamp, if still
+    /// remembered), under one read lock. `prefix::pending` uses it so that a block the
+    /// gateway routed does not count as held once the replica has said it evicted it.
+    pub fn with_evictions<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> Option<u64>) -> R) -> R {
         let inner = self.inner.read();
-        hashes
-            .iter()
-            .take_while(|h| !inner.own.contains_key(*h) && !inner.gone.contains(*h))
-            .count()
+        f(&|h| inner.gone.get(&h).copied())
     }
 
     /// [`Self::match_chain`] with the learned block size; `lora` as in [`PrefixChain::new`].
@@ -842,26 +841,24 @@ mod tests {
     }
 
     #[test]
-    fn unannounced_runs_stop_at_any_block_the_replica_ever_stored() {
+    fn evictions_are_remembered_with_their_stamp() {
         let idx = ResidencyIndex::new(100);
-        let t = toks(4, 300);
+        let t = toks(2, 300);
         let chain = PrefixChain::new(&t, BS, None);
-        assert_eq!(idx.unannounced_run(&chain, 0), 4, "nothing learned yet");
-        idx.apply(&[stored(&[21, 22], None, &t[..8], None)]);
-        assert_eq!(idx.unannounced_run(&chain, 0), 0);
-        assert_eq!(
-            idx.unannounced_run(&chain, 2),
-            2,
-            "blocks 2 and 3 never stored"
-        );
-        // Stored then evicted: announced, so no longer "about to be held".
-        idx.apply(&[stored(&[23], Some(22), &t[8..12], None)]);
-        idx.apply(&[removed(&[23], None)]);
-        assert_eq!(idx.match_chain(&chain).gpu_blocks, 2);
-        assert_eq!(idx.unannounced_run(&chain, 2), 0);
-        assert_eq!(idx.unannounced_run(&chain, 10), 0, "past the end");
-        let other = PrefixChain::new(&t, 2, None);
-        assert_eq!(idx.unannounced_run(&other, 0), 8, "another block size");
+        let [h0, h1] = [chain.hashes()[0], chain.hashes()[1]];
+        idx.apply(&[stored(&[21, 22], None, &t, None)]);
+        let before = idx.stamp();
+        idx.with_evictions(|gone| assert_eq!((gone(h0), gone(h1)), (None, None)));
+        idx.apply(&[removed(&[22], None)]);
+        idx.with_evictions(|gone| {
+            assert_eq!(gone(h0), None);
+            assert!(
+                gone(h1).is_some_and(|at| at > before),
+                "evicted after `before`"
+            );
+        });
+        let after = idx.stamp();
+        idx.with_evictions(|gone| assert!(gone(h1).is_some_and(|at| at <= after)));
     }
 
     #[test]

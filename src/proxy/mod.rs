@@ -260,10 +260,6 @@ impl Gateway {
                 .metrics
                 .decision(decision.reason as usize, decision.reason.as_str());
             let _slot = target.state.start_request();
-            // Learn at decision time, as the replica will once it starts the prefill: a
-            // burst sharing a new prefix then follows the first request instead of
-            // scattering before its answer comes back.
-            route.strategy.record(input, &view, &decision);
             // TTFB and latency count from here, not from before the routing decision.
             let started = Instant::now();
             let quoted_model = target.upstream_model_json.as_bytes();
@@ -293,7 +289,12 @@ impl Gateway {
                 model: quoted_model,
                 charge: &mut *charged,
             };
-            let exchange = upstream::exchange(&self.pool, &up, session, out, started);
+            // Learn as soon as the request is on its way, as the replica will once it starts
+            // the prefill: a burst sharing a new prefix then follows the first request
+            // instead of scattering before its answer comes back. An attempt that never
+            // reached the replica (connect failure) teaches nothing.
+            let record = || route.strategy.record(input, &view, &decision);
+            let exchange = upstream::exchange(&self.pool, &up, session, out, started, record);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {

@@ -181,7 +181,7 @@ mod tests {
         let c = fleet(&t, &[0, 0, 0, 5], &[true; 4]);
         let mut seen = [0usize; 4];
         for g in 0..200 {
-            let system = format!("system prompt {g} {}", "s".repeat(400));
+            let system = format!("Csystem\x1fsystem prompt {g} {}", "s".repeat(400));
             let first = cs
                 .select(
                     &input(format!("{system}\x1euser 1").as_bytes()),

@@ -100,9 +100,13 @@ impl PlacementKeys {
         let (first, second) = crate::prompt::first_two_message_ends(prompt);
         let first = first.unwrap_or(prompt.len());
         let second = second.unwrap_or(prompt.len());
+        let group = fnv1a(&prompt[..first.min(MAX_KEY_BYTES)]);
+        // The second message hashed on its own, so a first message longer than the key's
+        // bytes does not make every conversation of a group look alike.
+        let second_message = &prompt[first..second.min(first.saturating_add(MAX_KEY_BYTES))];
         let keys = PlacementKeys {
-            group: fnv1a(&prompt[..first.min(MAX_KEY_BYTES)]),
-            conversation: fnv1a(&prompt[..second.min(MAX_KEY_BYTES)]),
+            group,
+            conversation: splitmix64(group ^ fnv1a(second_message)),
         };
         (keys, first)
     }
@@ -172,14 +176,21 @@ impl PlacementRule {
         let cost = |c: &Choice| (tokens - counted(c)) + lambda * (c.inflight - q_min) as f64;
         let best_cached = choices.iter().map(counted).fold(0.0, f64::max);
 
-        // A conversation's own target: it holds history beyond the first message that no
-        // other target has as much of. It keeps the conversation until truly overloaded;
-        // the cost model only places what is new.
+        // A conversation's own target: it holds history beyond the first message, more
+        // than any other target does. It keeps the conversation until truly overloaded;
+        // the cost model only places what is new (and a history two targets hold alike).
+        let runner_up = |home: &Choice| {
+            choices
+                .iter()
+                .filter(|c| c.index != home.index)
+                .map(counted)
+                .fold(0.0, f64::max)
+        };
         let home = choices
             .iter()
-            .filter(|c| counted(c) >= best_cached && best_cached > 0.0)
-            .max_by_key(|c| rendezvous(ask.keys.conversation, c.label))
-            .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS);
+            .find(|c| best_cached > 0.0 && counted(c) >= best_cached)
+            .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS)
+            .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS);
         let (mut pick, margin) = match home {
             Some(home) => (home, self.balance_abs.saturating_mul(2)),
             None => (
@@ -363,6 +374,18 @@ mod tests {
     }
 
     #[test]
+    fn a_history_two_targets_hold_alike_goes_by_cost() {
+        let rule = rule();
+        // Both hold the same 1,600 tokens (a shared multi-message prefix): no one's own
+        // conversation, so 10 more in flight on 0 send it to 1, whatever the key.
+        for key in 0..50 {
+            let c = choices(&[10, 0], &[1600.0, 1600.0]);
+            let p = rule.place(&ask(1650.0, 1000.0, key), &c).unwrap();
+            assert_eq!((p.index, p.reason), (1, Reason::CacheHit), "key {key}");
+        }
+    }
+
+    #[test]
     fn the_relative_guard_holds_at_high_load() {
         let rule = rule();
         // 20 vs 16: more than 6 beyond? no. 30 vs 22: 8 beyond but not > 1.3 × 22.
@@ -463,6 +486,29 @@ mod tests {
         assert_eq!(s.group, a.group);
         assert_ne!(s.conversation, a.conversation);
         assert_eq!(a.with_session(None), a);
+    }
+
+    #[test]
+    fn conversation_keys_differ_behind_a_long_system_prompt() {
+        let system = "s".repeat(3 * MAX_KEY_BYTES);
+        let a = format!("Csystem\x1f{system}\x1euser\x1fone\x1e");
+        let b = format!("Csystem\x1f{system}\x1euser\x1ftwo\x1e");
+        let (ka, _) = PlacementKeys::from_prompt(a.as_bytes());
+        let (kb, _) = PlacementKeys::from_prompt(b.as_bytes());
+        assert_eq!(ka.group, kb.group);
+        assert_ne!(ka.conversation, kb.conversation);
+    }
+
+    #[test]
+    fn completion_prompts_have_no_message_boundaries() {
+        // Token ids are raw big-endian bytes: 30 is an RS byte, 27 an ESC byte.
+        let mut p = vec![b'P'];
+        for id in [1u32, 30, 2000, 27, 5] {
+            p.extend(id.to_be_bytes());
+        }
+        let (_, first) = PlacementKeys::from_prompt(&p);
+        assert_eq!(first, p.len());
+        assert_eq!(crate::prompt::first_two_message_ends(&p), (None, None));
     }
 
     #[test]

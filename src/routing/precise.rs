@@ -61,8 +61,8 @@ fn block_size_of(kv: &KvView) -> u32 {
 
 /// Tokens of the request each eligible target holds, as (index, tokens): the leading
 /// blocks its replica reported resident (trusted streams only), then those routed there
-/// and not announced since (the gateway's own knowledge, trusted or not; a block the
-/// replica stored and then evicted is not held, whatever was routed).
+/// since (the gateway's own knowledge, trusted or not) unless the replica has reported
+/// evicting them after they were routed.
 pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize, f64)> {
     let mut chains: Vec<PrefixChain> = Vec::new();
     for i in fleet.eligible() {
@@ -86,10 +86,9 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
                 } else {
                     0
                 };
-                let pending = kv.pending.map_or(0, |p| {
-                    p.run_from(chain, resident, now_ms)
-                        .min(kv.index.unannounced_run(chain, resident))
-                });
+                let pending = kv
+                    .pending
+                    .map_or(0, |p| p.run_from(chain, resident, now_ms, kv.index));
                 ((resident + pending) * bs as usize) as f64
             });
             (i, held)
@@ -155,10 +154,15 @@ impl Strategy for PreciseCacheAware {
         };
         let Some(kv) = c.kv else { return };
         let chain = PrefixChain::new(tokens, block_size_of(&kv), None);
-        let resident = kv.index.match_chain(&chain).gpu_blocks;
+        // An untrusted index counts nothing when scoring, so note from the start.
+        let resident = if kv.trusted {
+            kv.index.match_chain(&chain).gpu_blocks
+        } else {
+            0
+        };
         if chain.len() > resident {
             if let Some(pending) = kv.pending {
-                pending.note(&chain, resident, input.now_ms);
+                pending.note(&chain, resident, input.now_ms, kv.index.stamp());
             }
             // Only a replica whose events have shown its block size can be expected to
             // announce these blocks.
