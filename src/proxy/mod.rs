@@ -289,12 +289,15 @@ impl Gateway {
                 model: quoted_model,
                 charge: &mut *charged,
             };
-            // Learn as soon as the request is on its way, as the replica will once it starts
-            // the prefill: a burst sharing a new prefix then follows the first request
-            // instead of scattering before its answer comes back. An attempt that never
-            // reached the replica (connect failure) teaches nothing.
-            let record = || route.strategy.record(input, &view, &decision);
-            let exchange = upstream::exchange(&self.pool, &up, session, out, started, record);
+            // Learn at decision time, as the replica will once it starts the prefill: a
+            // burst sharing a new prefix then follows the first request instead of
+            // scattering. Not after the write: at a burst's start every request opens a
+            // new upstream connection, and the ones decided meanwhile scattered
+            // (pipeline under cache pressure: 87% hit rate recorded here, 74% recorded
+            // after the write, median of 4). An attempt that then fails to connect leaves
+            // its prompt in the target's trie (bounded, LRU) or pending set (3 s).
+            route.strategy.record(input, &view, &decision);
+            let exchange = upstream::exchange(&self.pool, &up, session, out, started);
             let result = match route.total_timeout {
                 None => exchange.await,
                 Some(limit) => match tokio::time::timeout(limit, exchange).await {

@@ -242,26 +242,20 @@ fn write_ip(out: &mut Vec<u8>, ip: IpAddr) {
     }
 }
 
-/// Send the request to the upstream and relay its response to `session`; `on_sent` runs
-/// once the request has been written to an upstream connection (before its answer).
+/// Send the request to the upstream and relay its response to `session`.
 pub async fn exchange(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     out: Outgoing<'_, '_>,
     started: Instant,
-    on_sent: impl FnOnce(),
 ) -> Result<ExchangeOutcome, ExchangeError> {
     let sent = {
         let mut spill = Vec::new();
         let request =
             out.body
                 .frame_or_copy(out.head, out.model_span.clone(), out.model, &mut spill);
-        unless_client_gone(
-            session,
-            send_and_read_head(pool, up, request, started, on_sent),
-        )
-        .await
+        unless_client_gone(session, send_and_read_head(pool, up, request, started)).await
     };
     let (mut http, reused) = sent.map_err(ExchangeError::Final)??;
     out.body.release();
@@ -376,9 +370,7 @@ async fn send_and_read_head(
     up: &Upstream<'_>,
     request: &[u8],
     started: Instant,
-    on_sent: impl FnOnce(),
 ) -> Result<(HttpSession, bool), ExchangeError> {
-    let mut on_sent = Some(on_sent);
     // A pooled connection can die between uses (the upstream closed it while idle): a write
     // that fails on one, or a response that never starts on one (closed or reset before a
     // byte came back: pingora marks that `ReusedOnly`, and pingora-proxy retries it the same
@@ -392,12 +384,7 @@ async fn send_and_read_head(
             .await
             .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
         let mut s = match send_request(stream, up.peer, request).await {
-            Ok(s) => {
-                if let Some(f) = on_sent.take() {
-                    f();
-                }
-                s
-            }
+            Ok(s) => s,
             Err(e) if reused => {
                 log::debug!("stale pooled connection to {}: {e}", up.label);
                 continue;

@@ -192,10 +192,9 @@ pub trait Strategy: Send + Sync {
         false
     }
 
-    /// Learn from a request routed to `decision.target`; called once the request has been
-    /// written to the target, before its answer (the replica starts computing the prefix
-    /// as soon as it admits the request, and the next request must already see that).
-    /// Default: nothing.
+    /// Learn from a request routed to `decision.target`; called once the decision is made,
+    /// before the request is sent (the replica starts computing the prefix as soon as it
+    /// admits the request, and the next request must already see that). Default: nothing.
     fn record(&self, _input: &RouteInput, _fleet: &FleetView, _decision: &Decision) {}
 }
 

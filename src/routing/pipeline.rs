@@ -15,7 +15,8 @@
 //!      placement rule's queue cost on the same scale as `prefix`, so with the default
 //!      weights (1, 1) the score is minus the placement rule's cost per prompt token,
 //!    - `key` = u^(1/weight) with u in (0, 1) drawn from a hash of the conversation (its
-//!      session id, else its first two messages) and the target's label — the
+//!      session id, else its first two messages; its first message while no target holds
+//!      any of the prompt, so a new group lands together) and the target's label — the
 //!      Efraimidis–Spirakis weighted sampling key made deterministic (weighted
 //!      rendezvous hashing): over many conversations a target wins cold ties with
 //!      probability weight / Σ weights, so `weight = 2` really means twice the traffic,
@@ -120,19 +121,29 @@ impl Strategy for Pipeline {
             });
         }
         let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
-        let conversation = keys.with_session(input.session_id).conversation;
         let tokens = (input.prompt.len() as f64 / self.bytes_per_token).max(1.0);
         let first_tokens = first_len as f64 / self.bytes_per_token;
         let w = self.weights;
         let lambda = self.guard.load_cost_tokens;
+        // (index, counted prefix fraction)
+        let prefixes: Vec<(usize, f64)> = prefix_scores(input.prompt, fleet)
+            .map(|(i, prefix)| (i, self.guard.counted(prefix * tokens, tokens) / tokens))
+            .collect();
+        // The weight key draws from the conversation once some target holds the prompt, and
+        // from the group while none does: the conversations of a new system prompt (a burst
+        // whose first request is still being sent) then land together, not scattered.
+        let key_of = if prefixes.iter().any(|&(_, p)| p > 0.0) {
+            keys.with_session(input.session_id).conversation
+        } else {
+            keys.group
+        };
         // (index, score, counted prefix fraction)
-        let scored: Vec<(usize, f64, f64)> = prefix_scores(input.prompt, fleet)
+        let scored: Vec<(usize, f64, f64)> = prefixes
+            .into_iter()
             .map(|(i, prefix)| {
                 let c = &fleet.candidates[i];
-                let cached = self.guard.counted(prefix * tokens, tokens);
-                let prefix = cached / tokens;
                 let load = -lambda * (c.inflight - min) as f64 / tokens;
-                let u = unit(rendezvous(conversation, c.label));
+                let u = unit(rendezvous(key_of, c.label));
                 let key = u.powf(1.0 / f64::from(c.weight.max(1)));
                 (
                     i,
@@ -387,20 +398,55 @@ mod tests {
     /// replaces the prompt as the conversation.
     #[test]
     fn a_conversation_draws_the_same_weight_keys_everywhere() {
+        // Every target holds the system prompt: warm, so the conversation key decides.
+        let system = format!("Csystem\x1f{}\x1e", "S".repeat(400));
         let t = tries(4);
+        for trie in &t {
+            trie.insert(system.as_bytes());
+        }
         let c = fleet(&t, &[0, 0, 0, 0], &[1, 1, 1, 1], &[true; 4]);
         let (p1, p2) = (pipeline(), pipeline());
         let mut targets = std::collections::HashSet::new();
         for i in 0..40 {
-            let prompt = format!("Csystem\x1fS\x1euser\x1fquestion {i}\x1e");
+            let prompt = format!("{system}user\x1fquestion {i}\x1e");
             let a = p1.select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c));
             let b = p2.select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c));
             assert_eq!(a.unwrap().target, b.unwrap().target);
             targets.insert(a.unwrap().target);
-            let s1 = p1.select(&input(b"one", Some(&prompt), 0), &FleetView::new(&c));
-            let s2 = p2.select(&input(b"two", Some(&prompt), 0), &FleetView::new(&c));
+            let one = format!("{system}user\x1fone\x1e");
+            let two = format!("{system}user\x1ftwo\x1e");
+            let s1 = p1.select(
+                &input(one.as_bytes(), Some(&prompt), 0),
+                &FleetView::new(&c),
+            );
+            let s2 = p2.select(
+                &input(two.as_bytes(), Some(&prompt), 0),
+                &FleetView::new(&c),
+            );
             assert_eq!(s1.unwrap().target, s2.unwrap().target, "same session id");
         }
         assert!(targets.len() >= 3, "conversations spread: {targets:?}");
+    }
+
+    /// While no target holds a prompt, its conversations draw from the group (the first
+    /// message): a burst of new conversations of one system prompt lands together.
+    #[test]
+    fn new_conversations_of_a_cold_group_land_together() {
+        let t = tries(4);
+        let c = fleet(&t, &[0, 0, 0, 0], &[1, 1, 1, 1], &[true; 4]);
+        let p = pipeline();
+        let system = format!("Csystem\x1f{}\x1e", "G".repeat(400));
+        let home = |i: usize| {
+            let prompt = format!("{system}user\x1fquestion {i}\x1e");
+            let session = format!("session-{i}");
+            p.select(
+                &input(prompt.as_bytes(), Some(&session), 0),
+                &FleetView::new(&c),
+            )
+            .unwrap()
+            .target
+        };
+        let first = home(0);
+        assert!((1..40).all(|i| home(i) == first));
     }
 }
