@@ -106,11 +106,11 @@ pub enum Reason {
     RoundRobin,
     /// Fewest requests in flight.
     LeastLoad,
-    /// Prefix score at or above the threshold, target not overloaded.
+    /// The target holding the most of the prompt (its cache counts: see `placement`).
     CacheHit,
-    /// Best prefix score below the threshold: least-loaded (then least-warmed).
+    /// No target's cache counts: placed by load and the prompt's group key.
     BelowThreshold,
-    /// Best-scoring target overloaded: least-loaded instead.
+    /// A target holding more of the prompt was passed over for its load (cost or guard).
     Overloaded,
     /// Nothing to score (empty prompt, no token ids, ...): least-loaded.
     Fallback,
