@@ -117,6 +117,27 @@ fn seq_of(frames: &[Bytes]) -> u64 {
     u64::from_be_bytes(frames[1][..].try_into().unwrap())
 }
 
+/// POST `body` as JSON to `url` and read the answer as JSON.
+async fn post_json(
+    c: &reqwest::Client,
+    url: impl reqwest::IntoUrl,
+    body: &impl serde::Serialize,
+) -> Json {
+    c.post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// GET `url` and read the answer as JSON.
+async fn get_json(c: &reqwest::Client, url: impl reqwest::IntoUrl) -> Json {
+    c.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 #[tokio::test]
 async fn chat_json_and_stream_metrics_and_cache_hits() {
     let f = fleet(2, ReplicaConfig::default(), KvEventsConfig::default()).await;
@@ -125,15 +146,7 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
     let sys = words(200, "sys");
     let c = client();
 
-    let body: Json = c
-        .post(&url)
-        .json(&chat_body(&sys, "first question", 5, false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body: Json = post_json(&c, &url, &chat_body(&sys, "first question", 5, false)).await;
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["model"], "m");
     let prompt = tokenizer::chat_tokens(&[
@@ -200,15 +213,12 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
         stats.prefix_cache_hits
     )));
 
-    let completion: Json = c
-        .post(format!("{}/v1/completions", r0.base_url()))
-        .json(&json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let completion: Json = post_json(
+        &c,
+        format!("{}/v1/completions", r0.base_url()),
+        &json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(completion["object"], "text_completion");
     assert_eq!(completion["usage"]["prompt_tokens"], 3);
 
@@ -222,52 +232,32 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
     assert_eq!(health.status(), 200);
 
     // What gateways probe to recognise a vLLM worker (smg: `owned_by`, then `/version`).
-    let models: Json = c
-        .get(format!("{}/v1/models", r0.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Json = get_json(&c, format!("{}/v1/models", r0.base_url())).await;
     assert_eq!(models["data"][0]["owned_by"], "vllm");
     assert_eq!(models["data"][0]["id"], ReplicaConfig::default().model);
-    let version: Json = c
-        .get(format!("{}/version", r0.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let version: Json = get_json(&c, format!("{}/version", r0.base_url())).await;
     assert!(version["version"].as_str().is_some(), "{version}");
 
     // vLLM's render API: the prompt's token ids, no generation, not counted as a request.
     let requests_before = r0.stats().requests;
     let chat = chat_body("be brief", "render me", 5, false);
-    let rendered: Json = c
-        .post(format!("{}/v1/chat/completions/render", r0.base_url()))
-        .json(&chat)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let rendered: Json = post_json(
+        &c,
+        format!("{}/v1/chat/completions/render", r0.base_url()),
+        &chat,
+    )
+    .await;
     let expected =
         rolter_loadtest::tokenizer::request_prompt_tokens("/v1/chat/completions", &chat).unwrap();
     let ids: Vec<u32> = serde_json::from_value(rendered["token_ids"].clone()).unwrap();
     assert_eq!(ids, expected);
     assert_eq!(rendered["sampling_params"]["max_tokens"], 5);
-    let listed: Json = c
-        .post(format!("{}/v1/completions/render", r0.base_url()))
-        .json(&json!({"model": "m", "prompt": [7, 8, 9]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed: Json = post_json(
+        &c,
+        format!("{}/v1/completions/render", r0.base_url()),
+        &json!({"model": "m", "prompt": [7, 8, 9]}),
+    )
+    .await;
     assert_eq!(listed[0]["token_ids"], json!([7, 8, 9]));
     let bad = c
         .post(format!("{}/v1/chat/completions/render", r0.base_url()))
