@@ -29,13 +29,37 @@
 //! rejects a literal address outright, a name on a deny rule, and — when the allow list
 //! has no CIDR that the name's addresses could still satisfy — a name on no allow rule.
 
-use crate::config::EgressConfig;
 use ipnet::IpNet;
+use serde::Deserialize;
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::RwLock;
 use thiserror::Error;
+
+/// `[egress]`: allow and deny lists for every address the gateway contacts on its own.
+/// Entries are host names (`vllm-1`), host suffixes (`.internal`) or CIDRs / addresses
+/// (`10.0.0.0/8`, `fd00::/8`, `192.0.2.7`). Deny wins over allow.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct EgressConfig {
+    /// If non-empty, only these destinations are allowed.
+    pub allow: Vec<String>,
+    /// Never contacted, whatever `allow` says.
+    pub deny: Vec<String>,
+    /// Also deny the built-in list (link-local, cloud metadata services).
+    pub deny_defaults: bool,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        EgressConfig {
+            allow: Vec::new(),
+            deny: Vec::new(),
+            deny_defaults: true,
+        }
+    }
+}
 
 /// Denied unless `[egress] deny_defaults = false`: link-local ranges (which hold most
 /// clouds' instance metadata services) and the metadata services that live elsewhere.

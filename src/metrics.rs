@@ -290,48 +290,8 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
     .expect("register rolter_client_connections_refused_total"),
 });
 
-/// Mirror a provider's KV-event stream state into the metrics (called at scrape time;
-/// the stream's counters only grow, so the Prometheus counters catch up by the delta).
-pub fn export_kv_stream(provider: &str, kv: &crate::fleet::KvState) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let st = &kv.stream;
-    let m = &*METRICS;
-    let values = [
-        &st.batches,
-        &st.events_stored,
-        &st.events_removed,
-        &st.events_cleared,
-        &st.decode_errors,
-        &st.gaps,
-        &st.restarts,
-        &st.replays_ok,
-        &st.replays_failed,
-        &st.rebuilds,
-        &st.stale,
-        &st.connects,
-        &st.evictions,
-        &st.protocol_errors,
-        &st.disconnects,
-    ];
-    for (kind, value) in KV_STREAM_KINDS.iter().zip(values) {
-        catch_up(
-            &m.kv_stream.with_label_values(&[provider, kind]),
-            value.load(Relaxed),
-        );
-    }
-    m.kv_trusted
-        .with_label_values(&[provider])
-        .set(i64::from(st.is_trusted()));
-    m.kv_connected
-        .with_label_values(&[provider])
-        .set(i64::from(st.is_connected()));
-    m.kv_index_blocks
-        .with_label_values(&[provider])
-        .set(kv.index.block_count() as i64);
-}
-
-/// The `kind` labels of `rolter_kv_stream_total`, in [`export_kv_stream`]'s order.
-const KV_STREAM_KINDS: [&str; 15] = [
+/// The `kind` labels of `rolter_kv_stream_total`, in `fleet::export`'s order.
+pub const KV_STREAM_KINDS: [&str; 15] = [
     "batches",
     "block_stored",
     "block_removed",
@@ -358,7 +318,7 @@ pub static EXPORT_LOCK: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 /// Raise a counter mirroring a monotonic source to the source's value (under
 /// [`EXPORT_LOCK`]).
-fn catch_up(counter: &prometheus::IntCounter, value: u64) {
+pub fn catch_up(counter: &prometheus::IntCounter, value: u64) {
     let delta = value.saturating_sub(counter.get());
     if delta > 0 {
         counter.inc_by(delta);

@@ -1,5 +1,6 @@
 //! The routing file's shape, as serde types. Defaults live here as named constants.
 
+pub use crate::egress::EgressConfig;
 use serde::Deserialize;
 
 /// Default cap on a buffered request body (SPEC §3: 4 MiB).
@@ -182,30 +183,6 @@ fn default_lmcache_timeout_ms() -> u64 {
 
 fn default_lmcache_stale_after_ms() -> u64 {
     DEFAULT_LMCACHE_STALE_AFTER_MS
-}
-
-/// `[egress]`: allow and deny lists for every address the gateway contacts on its own.
-/// Entries are host names (`vllm-1`), host suffixes (`.internal`) or CIDRs / addresses
-/// (`10.0.0.0/8`, `fd00::/8`, `192.0.2.7`). Deny wins over allow.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default)]
-pub struct EgressConfig {
-    /// If non-empty, only these destinations are allowed.
-    pub allow: Vec<String>,
-    /// Never contacted, whatever `allow` says.
-    pub deny: Vec<String>,
-    /// Also deny the built-in list (link-local, cloud metadata services).
-    pub deny_defaults: bool,
-}
-
-impl Default for EgressConfig {
-    fn default() -> Self {
-        EgressConfig {
-            allow: Vec::new(),
-            deny: Vec::new(),
-            deny_defaults: true,
-        }
-    }
 }
 
 /// Default path probed by active health checks (vLLM serves `GET /health`).

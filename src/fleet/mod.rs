@@ -8,10 +8,11 @@
 //! decisions (that is `routing`). The only I/O is the health prober in [`probe`].
 
 pub mod breaker;
+pub mod export;
 pub mod probe;
 
-use crate::kv_events::sequence::StreamState;
 use crate::metrics::METRICS;
+use crate::prefix::StreamState;
 use crate::prefix::{PendingBlocks, PrefixTrie, ResidencyIndex};
 use crate::routing::SessionTable;
 use breaker::Breaker;

@@ -2,10 +2,13 @@
 //!
 //! Plain in-memory data structures only: no pingora, no tokio, no sockets, no I/O.
 
+pub mod event;
 pub mod pending;
 pub mod residency;
+pub mod stream_state;
 pub mod trie;
 
 pub use pending::PendingBlocks;
 pub use residency::ResidencyIndex;
+pub use stream_state::StreamState;
 pub use trie::{MatchHint, PrefixTrie};

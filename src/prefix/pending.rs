@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn a_block_evicted_after_its_note_stops_the_run_one_evicted_before_does_not() {
-        use crate::kv_events::decode::{BlockHash, BlockRemoved, BlockStored, KvEvent};
+        use crate::prefix::event::{BlockHash, BlockRemoved, BlockStored, KvEvent};
         let tokens: Vec<u32> = (0..8).collect();
         let c = PrefixChain::new(&tokens, 4, None);
         let index = ResidencyIndex::new(10);

@@ -3,7 +3,7 @@
 //!
 //! Owns per-target block residency and nothing else: no sockets, no clocks, no
 //! tokio/zeromq/pingora (it consumes the plain data types of
-//! [`crate::kv_events::decode`]); routing policy lives in `routing/precise.rs`.
+//! `kv_events::decode`); routing policy lives in `routing/precise.rs`.
 //!
 //! How tokens find blocks without vLLM's hash: vLLM's block hash is SHA-256 (or
 //! Python's `hash()`) over a pickle/CBOR of `(parent hash, tokens, extra keys)`,
@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;
 
-use crate::kv_events::decode::{BlockHash, BlockRemoved, BlockStored, ExtraKey, KvEvent, Medium};
+use crate::prefix::event::{BlockHash, BlockRemoved, BlockStored, ExtraKey, KvEvent, Medium};
 
 /// Default cap on entries per target: about 1M blocks, i.e. 16M tokens at vLLM's
 /// default block size of 16, more than a single replica's GPU + CPU cache holds.

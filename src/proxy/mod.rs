@@ -372,31 +372,16 @@ impl Gateway {
                 }
             }
             "/metrics" => {
-                let _exporting = crate::metrics::EXPORT_LOCK.lock();
-                METRICS.admitted.set(self.admission.inflight() as i64);
-                METRICS
-                    .client_connections
-                    .set(self.connections.count() as i64);
-                METRICS
-                    .buffered_body_bytes
-                    .set(self.admission.buffered() as i64);
-                for (alias, sessions) in self.runtime.registry().session_tables() {
+                let text = crate::fleet::export::scrape(self.runtime.registry(), || {
+                    METRICS.admitted.set(self.admission.inflight() as i64);
                     METRICS
-                        .sessions
-                        .with_label_values(&[&alias])
-                        .set(sessions.len() as i64);
-                }
-                for (provider, kv) in self.runtime.registry().kv_states() {
-                    crate::metrics::export_kv_stream(&provider, &kv);
-                }
-                for t in self.runtime.registry().targets() {
-                    crate::metrics::export_trie(t.label(), t.trie.node_count(), t.trie.evictions());
-                }
-                (
-                    200,
-                    "text/plain; version=0.0.4",
-                    Bytes::from(crate::metrics::render()),
-                )
+                        .client_connections
+                        .set(self.connections.count() as i64);
+                    METRICS
+                        .buffered_body_bytes
+                        .set(self.admission.buffered() as i64);
+                });
+                (200, "text/plain; version=0.0.4", Bytes::from(text))
             }
             _ => (200, "application/json", self.runtime.table().models_json()),
         };

@@ -18,9 +18,9 @@
 
 use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
-use crate::kv_events::sequence::StreamState;
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
 use crate::prefix::PendingBlocks;
+use crate::prefix::StreamState;
 
 /// What precise routing sees of a target's KV-event state.
 #[derive(Clone, Copy)]
