@@ -140,13 +140,13 @@ pub struct KvEventsConfig {
     pub max_blocks: usize,
     /// Largest ZMQ frame accepted from the publisher or its replay endpoint; a peer
     /// sending a larger one is disconnected and counted (see
-    /// [`crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES`]).
+    /// [`DEFAULT_MAX_MESSAGE_BYTES`]).
     #[serde(default = "default_kv_max_message_bytes")]
     pub max_message_bytes: u64,
 }
 
 fn default_kv_max_message_bytes() -> u64 {
-    crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES
+    DEFAULT_MAX_MESSAGE_BYTES
 }
 
 fn default_kv_staleness_ms() -> u64 {
@@ -184,6 +184,13 @@ fn default_lmcache_timeout_ms() -> u64 {
 fn default_lmcache_stale_after_ms() -> u64 {
     DEFAULT_LMCACHE_STALE_AFTER_MS
 }
+
+/// Default bound on one inbound ZMQ frame (see `conf/rolter.example.toml` for how it
+/// relates to vLLM's largest batch).
+pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 32 << 20;
+/// Accepted values of `max_message_bytes`: from 64 KiB (below that, ordinary batches of
+/// a few thousand tokens would be refused) to 1 GiB.
+pub const MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(1 << 30);
 
 /// Default path probed by active health checks (vLLM serves `GET /health`).
 pub const DEFAULT_HEALTH_PATH: &str = "/health";
@@ -484,6 +491,18 @@ impl Default for LimitsConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             client_header_timeout_ms: DEFAULT_CLIENT_HEADER_TIMEOUT_MS,
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+        }
+    }
+}
+
+impl RouteConfig {
+    /// The placement rule this route's keys describe.
+    pub fn placement_rule(&self) -> crate::routing::placement::PlacementRule {
+        crate::routing::placement::PlacementRule {
+            threshold: self.cache_threshold,
+            load_cost_tokens: self.load_cost_tokens,
+            balance_abs: self.balance_abs,
+            balance_rel: self.balance_rel,
         }
     }
 }

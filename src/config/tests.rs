@@ -442,10 +442,7 @@ fn kv_events_max_message_bytes_is_defaulted_and_bounded() {
     };
     let cfg = parse(&with(""), "z.toml").unwrap();
     let kv = cfg.providers[0].kv_events.as_ref().unwrap();
-    assert_eq!(
-        kv.max_message_bytes,
-        crate::kv_events::socket::DEFAULT_MAX_MESSAGE_BYTES
-    );
+    assert_eq!(kv.max_message_bytes, super::DEFAULT_MAX_MESSAGE_BYTES);
     for bad in [0u64, 65_535, (1 << 30) + 1] {
         let problems = parse(&with(&format!("max_message_bytes = {bad}")), "z.toml")
             .unwrap_err()
@@ -511,7 +508,7 @@ fn placement_keys_are_defaulted_and_bounded() {
         )
     };
     let c = parse(&with(""), "p.toml").unwrap();
-    let rule = crate::routing::placement_rule(&c.routes[0]);
+    let rule = c.routes[0].placement_rule();
     assert_eq!(rule, crate::routing::placement::PlacementRule::default());
     assert_eq!(rule.load_cost_tokens, 200.0);
     assert_eq!((rule.balance_abs, rule.balance_rel), (6, 1.3));
@@ -520,7 +517,7 @@ fn placement_keys_are_defaulted_and_bounded() {
         "p.toml",
     )
     .unwrap();
-    assert_eq!(crate::routing::placement_rule(&c.routes[0]).balance_abs, 0);
+    assert_eq!(c.routes[0].placement_rule().balance_abs, 0);
     for (bad, key) in [
         ("load_cost_tokens = -1.0", "load_cost_tokens"),
         ("load_cost_tokens = nan", "load_cost_tokens"),

@@ -316,7 +316,7 @@ fn kv_events_problems(
             "providers[{i}].kv_events: staleness_ms and max_blocks must be greater than 0"
         ));
     }
-    let range = crate::kv_events::socket::MESSAGE_BYTES_RANGE;
+    let range = super::MESSAGE_BYTES_RANGE;
     if !range.contains(&kv.max_message_bytes) {
         out.push(format!(
             "providers[{i}].kv_events.max_message_bytes: must be between {} and {}",

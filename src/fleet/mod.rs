@@ -9,6 +9,8 @@
 
 pub mod breaker;
 pub mod export;
+pub mod idle;
+pub mod lmcache;
 pub mod probe;
 
 use crate::metrics::METRICS;

@@ -3,17 +3,19 @@
 //! pingora-load-balancing's `HttpHealthCheck` for the probe itself, and feeds the
 //! results into each provider's [`ProviderHealth`](super::ProviderHealth).
 //!
-//! Reads the table through the runtime on every tick, so providers added or removed by
+//! Reads the live providers (through [`Providers`], the runtime) on every tick, so providers added or removed by
 //! a reload are picked up without restarting the service.
 
+use super::ProviderHealth;
+use crate::config::HealthConfig;
 use crate::metrics::METRICS;
-use crate::runtime::{ProviderEntry, Runtime};
 use async_trait::async_trait;
 use pingora::lb::health_check::{HealthCheck, HttpHealthCheck};
 use pingora::lb::Backend;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -21,8 +23,40 @@ use tokio::time::Instant;
 /// How often the service looks for due probes.
 const TICK: Duration = Duration::from_millis(100);
 
+/// A provider as the health prober sees it.
+#[derive(Clone)]
+pub struct ProviderEntry {
+    /// Name from the routing file.
+    pub name: String,
+    /// Resolved address.
+    pub addr: SocketAddr,
+    /// `Host` header value.
+    pub host: String,
+    /// Active health-check settings.
+    pub health: HealthConfig,
+    /// Where probe results go.
+    pub state: Arc<ProviderHealth>,
+}
+
+impl PartialEq for ProviderEntry {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.addr == other.addr
+            && self.host == other.host
+            && self.health == other.health
+            && Arc::ptr_eq(&self.state, &other.state)
+    }
+}
+
+/// Where the prober reads the providers of the live configuration (the runtime's current
+/// route table), on every tick.
+pub trait Providers: Send + Sync + 'static {
+    /// The providers of the live configuration.
+    fn current(&self) -> Vec<ProviderEntry>;
+}
+
 /// The health-check background service.
-pub struct HealthProber(pub Arc<Runtime>);
+pub struct HealthProber(pub Arc<dyn Providers>);
 
 struct Probe {
     /// `None` when the entry's request could not be built: the provider is skipped
@@ -75,10 +109,10 @@ impl BackgroundService for HealthProber {
                 _ = ticker.tick() => {}
                 _ = shutdown.changed() => return,
             }
-            let table = self.0.table();
-            probes.retain(|name, _| table.providers.iter().any(|p| &p.name == name));
+            let providers = self.0.current();
+            probes.retain(|name, _| providers.iter().any(|p| &p.name == name));
             let now = Instant::now();
-            for entry in table.providers.iter().filter(|p| p.health.enabled) {
+            for entry in providers.iter().filter(|p| p.health.enabled) {
                 let probe = probes.entry(entry.name.clone()).or_insert_with(|| Probe {
                     check: checked(entry),
                     entry: entry.clone(),
@@ -98,7 +132,7 @@ impl BackgroundService for HealthProber {
                 }
                 probe.next_due = now + Duration::from_millis(entry.health.interval_ms);
                 let entry = entry.clone();
-                let runtime = self.0.clone();
+                let live = self.0.clone();
                 probe.running = Some(tokio::spawn(async move {
                     let backend = Backend {
                         addr: pingora::protocols::l4::socket::SocketAddr::Inet(entry.addr),
@@ -130,9 +164,8 @@ impl BackgroundService for HealthProber {
                     // while this probe ran: that would re-create the gauge the reload
                     // dropped (it drops it under this lock).
                     let _exporting = crate::metrics::EXPORT_LOCK.lock();
-                    if runtime
-                        .table()
-                        .providers
+                    if live
+                        .current()
                         .iter()
                         .any(|p| p.name == entry.name && p.health.enabled)
                     {
@@ -150,7 +183,6 @@ impl BackgroundService for HealthProber {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::HealthConfig;
 
     fn entry(path: &str) -> ProviderEntry {
         ProviderEntry {

@@ -72,12 +72,7 @@ const HEARTBEAT_IVL_MS: i32 = 5_000;
 /// ...and the connection is dropped (and re-dialled) if nothing answers within this.
 const HEARTBEAT_TIMEOUT_MS: i32 = 15_000;
 
-/// Default bound on one inbound ZMQ frame (see `conf/rolter.example.toml` for how it
-/// relates to vLLM's largest batch).
-pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 32 << 20;
-/// Accepted values of `max_message_bytes`: from 64 KiB (below that, ordinary batches of
-/// a few thousand tokens would be refused) to 1 GiB.
-pub const MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(1 << 30);
+pub use crate::config::{DEFAULT_MAX_MESSAGE_BYTES, MESSAGE_BYTES_RANGE};
 
 /// The process's one libzmq context (one I/O thread shared by every stream's sockets).
 /// Never dropped: terminating a context waits for every socket of it to close.

@@ -29,8 +29,9 @@
 //! route target remembers its stack ([`UpstreamPool::stack_for`]), so a routing table must
 //! be served by one pool (one gateway), as it is in the binary.
 
+use crate::fleet::idle::Idle;
+pub use crate::fleet::idle::IdleStack;
 use dashmap::DashMap;
-use parking_lot::Mutex;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::protocols::Stream;
 use pingora::server::configuration::ServerConf;
@@ -54,18 +55,6 @@ pub struct UpstreamPool {
     /// The idle timeout last asked for, in ms, for the sweeper (routing files can change it).
     idle_timeout_ms: Arc<AtomicU64>,
     sweeper: std::sync::Once,
-}
-
-/// The idle connections to one upstream address. Callers on the request path keep an
-/// `Arc` of their target's stack ([`UpstreamPool::stack_for`]) so a request looks nothing up.
-#[derive(Default)]
-pub struct IdleStack {
-    conns: Mutex<Vec<Idle>>,
-}
-
-struct Idle {
-    stream: Stream,
-    since: Instant,
 }
 
 impl UpstreamPool {

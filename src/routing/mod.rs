@@ -21,9 +21,7 @@ pub use pipeline::{Pipeline, PipelineWeights};
 pub use precise::{KvView, PreciseCacheAware};
 pub use session::SessionTable;
 
-use crate::config::{RouteConfig, StrategyKind};
 use crate::prefix::PrefixTrie;
-use std::sync::Arc;
 
 /// What a strategy may look at in a request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -198,45 +196,6 @@ pub trait Strategy: Send + Sync {
     fn record(&self, _input: &RouteInput, _fleet: &FleetView, _decision: &Decision) {}
 }
 
-/// Build the strategy a route asks for; `sessions` is the route's (reload-surviving)
-/// session table.
-pub fn build(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Strategy> {
-    match route.strategy {
-        StrategyKind::RoundRobin => Box::new(RoundRobin::default()),
-        StrategyKind::LeastLoad => Box::new(LeastLoad),
-        StrategyKind::CacheAware => Box::new(CacheAware::new(
-            placement_rule(route),
-            route.prompt_bytes_per_token,
-        )),
-        StrategyKind::Pipeline => {
-            let w = &route.pipeline;
-            let weights = PipelineWeights {
-                static_weight: w.static_weight,
-                load: w.load,
-                prefix: w.prefix,
-            };
-            Box::new(Pipeline::new(
-                weights,
-                sessions,
-                placement_rule(route),
-                route.prompt_bytes_per_token,
-            ))
-        }
-        StrategyKind::LmcacheAware => Box::new(LmcacheAware),
-        StrategyKind::PreciseCacheAware => Box::new(PreciseCacheAware::new(placement_rule(route))),
-    }
-}
-
-/// The placement rule a route's keys describe.
-pub fn placement_rule(route: &RouteConfig) -> placement::PlacementRule {
-    placement::PlacementRule {
-        threshold: route.cache_threshold,
-        load_cost_tokens: route.load_cost_tokens,
-        balance_abs: route.balance_abs,
-        balance_rel: route.balance_rel,
-    }
-}
-
 /// Uniform choice from an iterator without collecting (reservoir sampling).
 pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
     use rand::Rng;
@@ -274,7 +233,7 @@ mod tests {
                 };
                 Box::new(Pipeline::new(
                     w,
-                    Arc::new(SessionTable::new(10, 100)),
+                    std::sync::Arc::new(SessionTable::new(10, 100)),
                     placement::PlacementRule::default(),
                     4.0,
                 ))

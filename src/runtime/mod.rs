@@ -1,0 +1,179 @@
+//! The live routing state: an `ArcSwap<RouteTable>` read once per request, the target
+//! [`Registry`] whose per-target state survives reloads, and the reload itself.
+//!
+//! Owns: swapping tables atomically and dropping what a reload removed ([`Runtime`]).
+//! The table's types are [`table`], turning a validated `Config` into one is [`build`]
+//! (DNS resolution and egress checks happen there, at load time, never per request), and
+//! the SIGHUP service is [`reload`].
+//! Must not: parse TOML (that is `config`) or decide routes (that is `routing`).
+
+pub mod build;
+pub mod reload;
+pub mod table;
+#[cfg(test)]
+mod tests;
+
+pub use build::LoadContext;
+pub use reload::ReloadOnSighup;
+pub use table::{KvEntry, KvSpec, Route, RouteTable, RouteTarget};
+
+use crate::config::{self, ConfigError};
+use crate::egress::{EgressError, Resolver};
+use crate::fleet::probe::{ProviderEntry, Providers};
+use crate::fleet::{Registry, TargetKey};
+use crate::metrics::METRICS;
+use arc_swap::ArcSwap;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// Why a routing file could not become live routes.
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{path}: providers[{index}].{key}: cannot resolve \"{authority}\": {reason}")]
+    Resolve {
+        path: String,
+        index: usize,
+        key: &'static str,
+        authority: String,
+        reason: String,
+    },
+    #[error("{path}: providers[{index}].{key}: provider \"{provider}\": {error}")]
+    Egress {
+        path: String,
+        index: usize,
+        provider: String,
+        key: &'static str,
+        error: EgressError,
+    },
+}
+
+/// The process's routing state.
+pub struct Runtime {
+    table: ArcSwap<RouteTable>,
+    registry: Registry,
+    pub(crate) routes_path: PathBuf,
+    ctx: LoadContext,
+}
+
+impl Runtime {
+    /// Load the routing file at `path` and build the first table.
+    pub fn load(path: &Path) -> Result<Self, LoadError> {
+        Self::load_with(path, LoadContext::default())
+    }
+
+    /// [`load`](Self::load) with a given resolver (tests) and status board.
+    pub fn load_with(path: &Path, ctx: LoadContext) -> Result<Self, LoadError> {
+        let registry = Registry::default();
+        let table = Self::read_table(path, &registry, &ctx)?;
+        Ok(Runtime {
+            table: ArcSwap::from_pointee(table),
+            registry,
+            routes_path: path.to_path_buf(),
+            ctx,
+        })
+    }
+
+    fn read_table(
+        path: &Path,
+        registry: &Registry,
+        ctx: &LoadContext,
+    ) -> Result<RouteTable, LoadError> {
+        let config = config::load_file(path)?;
+        RouteTable::build_with(&config, &path.display().to_string(), registry, ctx)
+    }
+
+    /// The resolver every configured name goes through.
+    pub fn resolver(&self) -> Arc<dyn Resolver> {
+        self.ctx.resolver.clone()
+    }
+
+    /// The current table (one atomic load; hold it for the whole request).
+    pub fn table(&self) -> Arc<RouteTable> {
+        self.table.load_full()
+    }
+
+    /// The per-target state registry.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Re-read the routing file; swap it in if valid, keep the old table if not.
+    /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
+    pub fn reload(&self) -> Result<(), LoadError> {
+        let table = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
+            Ok(table) => table,
+            Err(e) => {
+                METRICS.reloads.with_label_values(&["failed"]).inc();
+                log::error!(
+                    "reload of {} rejected, keeping the previous routes: {e}",
+                    self.routes_path.display()
+                );
+                return Err(e);
+            }
+        };
+        let keep = table.target_keys();
+        let providers: HashSet<String> = table.providers.iter().map(|p| p.name.clone()).collect();
+        let aliases: HashSet<String> = table.routes.keys().cloned().collect();
+        let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
+        let keep_kv: HashSet<String> = table.kv.iter().map(|e| e.provider.clone()).collect();
+        let unprobed: Vec<String> = (table.providers.iter())
+            .filter(|p| !p.health.enabled)
+            .map(|p| p.name.clone())
+            .collect();
+        let routes = table.routes.len();
+        // The swap: requests that loaded the old table finish on it.
+        let old = self.table.swap(Arc::new(table));
+        // Held from dropping the removed state to dropping its series: a scrape exports
+        // from the registry under this lock, so it sees a removed target either with its
+        // series still to be dropped or not at all, and cannot re-create a dropped series.
+        let exporting = crate::metrics::EXPORT_LOCK.lock();
+        self.registry.retain(&keep, &providers);
+        self.registry.retain_sessions(&aliases);
+        self.ctx.lmcache.retain(&keep_lmcache);
+        self.registry.retain_kv(&keep_kv);
+        // Drop the series of what is gone, so no gauge reports a removed target and a
+        // re-added one starts from zero (its state starts afresh too).
+        let old_keys = old.target_keys();
+        let removed: Vec<&TargetKey> = old_keys.difference(&keep).collect();
+        for key in &removed {
+            crate::metrics::forget_target(&key.label());
+        }
+        for p in old
+            .providers
+            .iter()
+            .filter(|p| !providers.contains(&p.name))
+        {
+            crate::metrics::forget_provider(&p.name);
+        }
+        // Nothing probes a provider whose checks are off: no health gauge, as at start.
+        for name in &unprobed {
+            crate::metrics::forget_provider(name);
+        }
+        for e in old.kv.iter().filter(|e| !keep_kv.contains(&e.provider)) {
+            crate::metrics::forget_kv_stream(&e.provider);
+        }
+        for alias in old.routes.keys().filter(|a| !aliases.contains(*a)) {
+            crate::metrics::forget_route(alias);
+        }
+        drop(exporting);
+        METRICS.reloads.with_label_values(&["ok"]).inc();
+        log::info!(
+            "reloaded routes from {}: {routes} routes, {} targets ({} added, {} removed)",
+            self.routes_path.display(),
+            keep.len(),
+            keep.difference(&old_keys).count(),
+            removed.len(),
+        );
+        Ok(())
+    }
+}
+
+impl Providers for Runtime {
+    fn current(&self) -> Vec<ProviderEntry> {
+        self.table().providers.clone()
+    }
+}

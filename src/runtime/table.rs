@@ -1,0 +1,145 @@
+//! One routing-file generation as the request path reads it: routes, their targets and
+//! the provider-level settings, immutable once built.
+//!
+//! Owns the table's shape and its read accessors. Must not: build tables (that is
+//! [`super::build`]) or hold anything that must outlive a reload (that is the registry).
+
+use crate::config::{BreakerConfig, LimitsConfig};
+use crate::egress::EgressPolicy;
+use crate::fleet::lmcache::{LmcacheEndpoint, LmcacheStatus};
+use crate::fleet::probe::ProviderEntry;
+use crate::fleet::{KvState, TargetKey, TargetState};
+use crate::routing::Strategy;
+use bytes::Bytes;
+use pingora::upstreams::peer::HttpPeer;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One target of a route, ready to forward to.
+pub struct RouteTarget {
+    /// Live state shared with every route that uses the same (provider, model).
+    pub state: Arc<TargetState>,
+    /// The upstream peer (resolved address, timeouts).
+    pub peer: HttpPeer,
+    /// The peer's idle upstream connections, found in the gateway's pool on first use (a
+    /// reload builds new targets, so a changed address gets its own stack).
+    pub idle: std::sync::OnceLock<Option<Arc<crate::fleet::idle::IdleStack>>>,
+    /// `Host` header value for the upstream.
+    pub host: String,
+    /// Path prefix from `api_base` ("" if none), prepended to the request path.
+    pub base_path: String,
+    /// Model name sent upstream, as a JSON string literal (`prompt::quote_model`).
+    pub upstream_model_json: String,
+    /// Configured weight.
+    pub weight: u32,
+    /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
+    pub lmcache: Option<Arc<LmcacheStatus>>,
+    /// The provider's KV-event state, if it has `[providers.kv_events]`.
+    pub kv: Option<Arc<KvState>>,
+}
+
+/// One `[providers.kv_events]` stream, resolved and egress-checked at load.
+#[derive(Clone)]
+pub struct KvEntry {
+    /// Provider name.
+    pub provider: String,
+    /// What the subscriber connects to (addresses, not names: resolved at load so a
+    /// name cannot later resolve past the egress policy).
+    pub spec: KvSpec,
+    /// Index and stream state fed by the subscriber.
+    pub state: Arc<KvState>,
+}
+
+/// A subscriber's settings; a change restarts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSpec {
+    /// `tcp://ip:port` to connect to, or the configured wildcard (`tcp://*:port`) to bind.
+    pub endpoint: String,
+    /// Bind `endpoint` rather than connect to it: decided from the configured text
+    /// ([`config::is_bind_endpoint`]), never from the address a name resolved to.
+    pub bind: bool,
+    /// Topic prefix.
+    pub topic: String,
+    /// `tcp://ip:port` of the replay ROUTER.
+    pub replay_endpoint: Option<String>,
+    /// Staleness limit.
+    pub staleness_ms: u64,
+    /// Largest inbound ZMQ frame.
+    pub max_message_bytes: u64,
+}
+
+/// A model alias with its strategy and targets.
+pub struct Route {
+    /// The alias clients ask for.
+    pub alias: String,
+    /// How a target is chosen.
+    pub strategy: Box<dyn Strategy>,
+    /// Targets in config order (indices are what strategies return).
+    pub targets: Vec<RouteTarget>,
+    /// Whole-exchange limit for this route, if any.
+    pub total_timeout: Option<Duration>,
+    /// This route's per-request metric series, resolved once.
+    pub metrics: crate::metrics::RouteMetrics,
+}
+
+/// Everything one routing-file generation defines.
+pub struct RouteTable {
+    pub(super) routes: HashMap<String, Arc<Route>>,
+    /// Providers, in file order.
+    pub providers: Vec<ProviderEntry>,
+    /// Size and time limits.
+    pub limits: LimitsConfig,
+    /// Passive-health settings.
+    pub breaker: BreakerConfig,
+    /// Headers added to forwarded requests.
+    pub forwarding: crate::config::ForwardingConfig,
+    pub(super) models_json: Bytes,
+    pub(super) egress: Arc<EgressPolicy>,
+    pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
+    pub(super) kv: Vec<KvEntry>,
+}
+
+impl RouteTable {
+    /// The route for a client-facing model alias.
+    pub fn route(&self, alias: &str) -> Option<&Arc<Route>> {
+        self.routes.get(alias)
+    }
+
+    /// The `GET /v1/models` response body.
+    pub fn models_json(&self) -> Bytes {
+        self.models_json.clone()
+    }
+
+    /// Every `[providers.kv_events]` stream of this generation.
+    pub fn kv_streams(&self) -> &[KvEntry] {
+        &self.kv
+    }
+
+    /// The egress policy of this generation.
+    pub fn egress(&self) -> &Arc<EgressPolicy> {
+        &self.egress
+    }
+
+    /// Every `[providers.lmcache]` endpoint of this generation, by provider name.
+    pub fn lmcache_endpoints(&self) -> &[Arc<LmcacheEndpoint>] {
+        &self.lmcache
+    }
+
+    /// Whether any route has a target that may be chosen now (readiness).
+    pub fn has_eligible_target(&self) -> bool {
+        self.routes.values().any(|r| {
+            r.targets
+                .iter()
+                .any(|t| t.state.eligible(crate::fleet::now_ms()))
+        })
+    }
+
+    /// Keys of every target this table routes to.
+    pub fn target_keys(&self) -> HashSet<TargetKey> {
+        self.routes
+            .values()
+            .flat_map(|r| r.targets.iter().map(|t| t.state.key().clone()))
+            .collect()
+    }
+}

@@ -1,0 +1,193 @@
+//! Tests of loading, building and reloading route tables.
+
+use super::*;
+use crate::egress::StaticResolver;
+use std::time::Duration;
+
+/// Providers `names` (each on loopback, the first with lmcache + kv_events) and one
+/// route over all of them with `strategy`.
+fn routes(names: &[&str], strategy: &str, extra_api_base: Option<&str>) -> String {
+    let mut s = String::new();
+    for (i, n) in names.iter().enumerate() {
+        s += &format!(
+            "[[providers]]\nname = \"{n}\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:{}\"\n",
+            9000 + i
+        );
+        if i == 0 {
+            s += "[providers.lmcache]\nendpoint = \"http://127.0.0.1:9100/status\"\n";
+            s += "[providers.kv_events]\nendpoint = \"tcp://127.0.0.1:5557\"\n";
+        }
+    }
+    if let Some(api_base) = extra_api_base {
+        s += &format!(
+            "[[providers]]\nname = \"extra\"\nkind = \"openai_compatible\"\napi_base = \"{api_base}\"\n"
+        );
+    }
+    s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
+    for n in names {
+        s += &format!("[[routes.targets]]\nprovider = \"{n}\"\nmodel = \"m\"\n");
+    }
+    s
+}
+
+fn key(provider: &str) -> TargetKey {
+    TargetKey {
+        provider: provider.into(),
+        model: "m".into(),
+    }
+}
+
+fn static_ctx() -> LoadContext {
+    LoadContext {
+        resolver: Arc::new(StaticResolver::default()),
+        ..Default::default()
+    }
+}
+
+/// `text` as `routes.toml` in a fresh temp directory for test `tag`: (dir, path).
+fn routes_file(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("rolter-runtime-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("routes.toml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path)
+}
+
+#[test]
+fn a_load_that_fails_late_leaves_the_shared_state_untouched() {
+    let ctx = static_ctx();
+    let registry = Registry::default();
+    // The extra provider's name does not resolve: the last check to run fails.
+    let text = routes(&["a", "b"], "cache_aware", Some("http://nowhere.test:8000"));
+    let config = config::parse(&text, "r.toml").unwrap();
+    let err = RouteTable::build_with(&config, "r.toml", &registry, &ctx)
+        .err()
+        .expect("unresolvable");
+    assert!(err.to_string().contains("nowhere.test"), "{err}");
+    assert!(registry.is_empty(), "no target state created");
+    assert!(registry.kv_states().is_empty(), "no KV state created");
+    assert!(ctx.lmcache.is_empty(), "no lmcache cell created");
+}
+
+#[test]
+fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
+    let (dir, path) = routes_file("reload", &routes(&["a", "b"], "cache_aware", None));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let a = rt.registry().get_or_create(&key("a"));
+    a.trie.insert(b"a known prompt");
+    let kv_a = rt.registry().kv_states()[0].1.clone();
+    let ok = || METRICS.reloads.with_label_values(&["ok"]).get();
+    let failed = || METRICS.reloads.with_label_values(&["failed"]).get();
+
+    // Strategy changed, b removed, c added: a keeps its state (same Arc, same trie).
+    let ok_before = ok();
+    std::fs::write(&path, routes(&["a", "c"], "pipeline", None)).unwrap();
+    rt.reload().unwrap();
+    assert!(ok() > ok_before);
+    let table = rt.table();
+    let route = table.route("alias").unwrap();
+    assert_eq!(route.strategy.name(), "pipeline");
+    assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+    assert_eq!(a.trie.match_len(b"a known prompt"), b"a known prompt".len());
+    assert!(Arc::ptr_eq(route.targets[0].kv.as_ref().unwrap(), &kv_a));
+    assert_eq!(rt.registry().targets().len(), 2, "b is forgotten, c is new");
+    assert!(!table.target_keys().contains(&key("b")));
+
+    // A bad file changes nothing.
+    let failed_before = failed();
+    std::fs::write(&path, "[[routes]]\nmodel = 1\n").unwrap();
+    assert!(rt.reload().is_err());
+    assert!(failed() > failed_before);
+    assert!(Arc::ptr_eq(&rt.table(), &table), "old table stays");
+
+    // Back: a still has its prompt, b starts afresh.
+    std::fs::write(&path, routes(&["a", "b"], "cache_aware", None)).unwrap();
+    rt.reload().unwrap();
+    let table = rt.table();
+    let route = table.route("alias").unwrap();
+    assert_eq!(route.strategy.name(), "cache_aware");
+    assert!(Arc::ptr_eq(&route.targets[0].state, &a));
+    assert_eq!(route.targets[1].state.trie.node_count(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Regression: checks switched off for a provider the probes had marked down left
+/// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
+#[test]
+fn switching_health_checks_off_makes_a_down_provider_eligible_again() {
+    let text = routes(&["hoff"], "round_robin", None);
+    let (dir, path) = routes_file("health", &text);
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let health = rt.registry().provider_health("hoff");
+    assert!(health.observe(false, 1, 1));
+    let gauge = || METRICS.provider_healthy.with_label_values(&["hoff"]);
+    gauge().set(0);
+    assert!(!rt.table().has_eligible_target());
+
+    let off = text.replace(
+        "[providers.lmcache]",
+        "[providers.health]\nenabled = false\n[providers.lmcache]",
+    );
+    std::fs::write(&path, off).unwrap();
+    rt.reload().unwrap();
+    assert!(rt.table().has_eligible_target());
+    assert!(Arc::ptr_eq(&health, &rt.registry().provider_health("hoff")));
+    // A probe that was still running lands after the reload: ignored.
+    assert!(!health.observe(false, 1, 1));
+    assert!(rt.table().has_eligible_target());
+    let exported = crate::metrics::render();
+    assert!(
+        !String::from_utf8_lossy(&exported).contains("provider=\"hoff\""),
+        "the stale down gauge stays"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Regression: a target a reload removed kept its upstream TTFB and latency
+/// histogram series (its in-flight and trie series were dropped).
+#[test]
+fn a_removed_target_loses_its_upstream_histograms() {
+    let (dir, path) = routes_file("forget", &routes(&["fgt-a", "fgt-b"], "round_robin", None));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let b = rt.registry().get_or_create(&key("fgt-b"));
+    b.observe_upstream(Duration::from_millis(5), Duration::from_millis(9));
+    let exported = || String::from_utf8(crate::metrics::render()).unwrap();
+    for series in [
+        "rolter_upstream_ttfb_seconds_count",
+        "rolter_upstream_latency_seconds_count",
+    ] {
+        assert!(exported().contains(&format!("{series}{{target=\"fgt-b/m\"}} 1")));
+    }
+    std::fs::write(&path, routes(&["fgt-a"], "round_robin", None)).unwrap();
+    rt.reload().unwrap();
+    // A request still in flight on the removed state does not bring them back.
+    b.observe_upstream(Duration::from_millis(5), Duration::from_millis(9));
+    let text = exported();
+    assert!(!text.contains("target=\"fgt-b/m\""), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Regression: a reload changing `kv_events.max_blocks` was accepted but ignored:
+/// the provider's index kept the cap it was created with.
+#[test]
+fn a_reload_applies_a_new_kv_events_max_blocks_to_the_kept_index() {
+    let text = routes(&["mb-a"], "round_robin", None);
+    let (dir, path) = routes_file("maxblocks", &text);
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let index = rt.registry().kv_states()[0].1.index.clone();
+    assert_eq!(
+        index.max_entries(),
+        crate::prefix::residency::DEFAULT_MAX_ENTRIES
+    );
+    let capped = text.replace(
+        "endpoint = \"tcp://127.0.0.1:5557\"\n",
+        "endpoint = \"tcp://127.0.0.1:5557\"\nmax_blocks = 5\n",
+    );
+    assert_ne!(capped, text);
+    std::fs::write(&path, capped).unwrap();
+    rt.reload().unwrap();
+    let kept = rt.registry().kv_states()[0].1.index.clone();
+    assert!(Arc::ptr_eq(&kept, &index), "the index survives the reload");
+    assert_eq!(index.max_entries(), 5);
+    let _ = std::fs::remove_dir_all(&dir);
+}
