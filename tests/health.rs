@@ -103,7 +103,13 @@ async fn repeated_500s_cool_down_then_open_the_circuit_and_a_probe_closes_it() {
     for _ in 0..2 {
         assert_eq!(post_chat(&gw, chat_body("alias", "x", false)).await.0, 500);
     }
-    assert_eq!(gw.metric(&event("cooldown")).await, Some(1.0));
+    // The breaker hears of an answer just after its last byte left: wait for it.
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            gw.metric(&event("cooldown")).await == Some(1.0)
+        })
+        .await
+    );
     // Cooling down: 503 with Retry-After, and the upstream is not contacted.
     let served = a.served();
     let resp = reqwest::Client::new()
@@ -122,7 +128,13 @@ async fn repeated_500s_cool_down_then_open_the_circuit_and_a_probe_closes_it() {
     for _ in 0..2 {
         assert_eq!(post_chat(&gw, chat_body("alias", "x", false)).await.0, 500);
     }
-    assert_eq!(gw.metric(&event("circuit_open")).await, Some(1.0));
+    // The breaker hears of an answer just after its last byte left: wait for it.
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            gw.metric(&event("circuit_open")).await == Some(1.0)
+        })
+        .await
+    );
     assert_eq!(post_chat(&gw, chat_body("alias", "x", false)).await.0, 503);
 
     a.set_behaviour(Behaviour::default());

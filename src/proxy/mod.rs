@@ -22,6 +22,7 @@
 //! rewrite) over a reused pooled connection.
 
 pub mod admission;
+pub mod attempt;
 pub mod body;
 pub mod connection;
 pub mod error;
@@ -29,14 +30,14 @@ pub mod framing;
 pub mod pool;
 pub mod upstream;
 
-use crate::fleet::breaker::Outcome;
 use crate::fleet::ms_at;
 use crate::metrics::METRICS;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
-use crate::routing::{Candidate, FleetView, KvView, RouteInput};
+use crate::routing::{FleetView, RouteInput};
 use crate::runtime::{Route, RouteTable, Runtime};
 use admission::Admission;
 use async_trait::async_trait;
+use attempt::Attempt;
 use bytes::Bytes;
 use error::GatewayError;
 use pingora::http::ResponseHeader;
@@ -71,6 +72,19 @@ pub struct RequestCtx {
     body_bytes: usize,
     /// `rolter_requests_total` already bumped (through the route's resolved series).
     counted: bool,
+}
+
+/// A request ready to forward: its routing input, its buffered body (and the body
+/// budget's charge for it), where its `model` value sits, who sent it, and when routing
+/// started.
+struct Prepared<'a, 'c> {
+    input: RouteInput<'a>,
+    body: &'a mut framing::BodyBuf,
+    charged: &'a mut admission::BodyBytes<'c>,
+    model_span: std::ops::Range<usize>,
+    /// What the upstream is told about the client.
+    client: upstream::ClientInfo,
+    at: Instant,
 }
 
 /// The gateway application.
@@ -174,39 +188,6 @@ impl Gateway {
             .map(str::to_owned);
         // One clock read serves the routing input and the first attempt.
         let at = Instant::now();
-        let input = RouteInput {
-            prompt: &prompt,
-            token_ids: token_ids.as_deref(),
-            session_id: session_id.as_deref(),
-            now_ms: ms_at(at),
-        };
-        self.forward(
-            session,
-            ctx,
-            &table,
-            route,
-            &input,
-            &mut body,
-            &mut charged,
-            model_span,
-            at,
-        )
-        .await
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn forward(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        table: &RouteTable,
-        route: &Route,
-        input: &RouteInput<'_>,
-        body: &mut framing::BodyBuf,
-        charged: &mut admission::BodyBytes<'_>,
-        model_span: std::ops::Range<usize>,
-        at: Instant,
-    ) -> Result<(), GatewayError> {
         let client = upstream::ClientInfo {
             x_forwarded_for: table.forwarding.x_forwarded_for,
             addr: session
@@ -214,40 +195,48 @@ impl Gateway {
                 .and_then(|a| a.as_inet())
                 .map(|a| a.ip().to_canonical()),
         };
+        let request = Prepared {
+            input: RouteInput {
+                prompt: &prompt,
+                token_ids: token_ids.as_deref(),
+                session_id: session_id.as_deref(),
+                now_ms: ms_at(at),
+            },
+            body: &mut body,
+            charged: &mut charged,
+            model_span,
+            client,
+            at,
+        };
+        self.forward(session, ctx, &table, route, request).await
+    }
+
+    /// Try the request on the strategy's choice, then (once, if nothing reached the
+    /// upstream) on its next-best; relay the first answer.
+    async fn forward(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        table: &RouteTable,
+        route: &Route,
+        mut request: Prepared<'_, '_>,
+    ) -> Result<(), GatewayError> {
         let mut excluded = Vec::new();
         let mut last_error = None;
         // The clock as of the last step: read once per attempt, not per use.
-        let mut now_instant = at;
+        let mut now = request.at;
         // Each pass either makes an attempt or excludes a target, so this terminates.
         while ctx.attempts < MAX_ATTEMPTS && excluded.len() < route.targets.len() {
-            let now = ms_at(now_instant);
-            let candidates: Vec<Candidate> = route
-                .targets
-                .iter()
-                .map(|t| Candidate {
-                    inflight: t.state.inflight(),
-                    eligible: t.state.eligible(now),
-                    weight: t.weight,
-                    prefix: Some(&t.state.trie),
-                    label: t.state.label(),
-                    kv: t.kv.as_deref().map(|kv| KvView {
-                        index: &kv.index,
-                        trusted: kv.stream.is_trusted(),
-                        stream: Some(&kv.stream),
-                        pending: Some(&kv.pending),
-                    }),
-                    lmcache: t.lmcache.as_ref().and_then(|s| s.view(now_instant)),
-                })
-                .collect();
+            let candidates = route.candidates(now);
             let view = FleetView {
                 candidates: &candidates,
                 excluded: &excluded,
             };
-            let Some(decision) = route.strategy.select(input, &view) else {
+            let Some(decision) = route.strategy.select(&request.input, &view) else {
                 break;
             };
             let target = &route.targets[decision.target];
-            let Some(ticket) = target.state.breaker.ticket(now) else {
+            let Some(ticket) = target.state.breaker.ticket(ms_at(now)) else {
                 // Another request took this open circuit's single half-open probe.
                 excluded.push(decision.target);
                 continue;
@@ -256,88 +245,13 @@ impl Gateway {
             ctx.target = Some(target.state.label().to_string());
             ctx.reason = decision.reason.as_str();
             ctx.score = decision.score;
-            route
-                .metrics
-                .decision(decision.reason as usize, decision.reason.as_str());
-            let _slot = target.state.start_request();
-            // TTFB and latency count from here, not from before the routing decision.
-            let started = Instant::now();
-            let quoted_model = target.upstream_model_json.as_bytes();
-            let head = upstream::encode_head(
-                session.req_header(),
-                &target.host,
-                &target.base_path,
-                body.len() - model_span.len() + quoted_model.len(),
-                client,
-            );
-            let up = Upstream {
-                peer: &target.peer,
-                idle: target
-                    .idle
-                    .get_or_init(|| self.pool.stack_for(&target.peer))
-                    .as_deref(),
-                label: target.state.label(),
-                idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
-            };
-            if let Some(score) = decision.score {
-                route.metrics.prefix_score(score);
-            }
-            let out = upstream::Outgoing {
-                body: &mut *body,
-                head: &head,
-                model_span: model_span.clone(),
-                model: quoted_model,
-                charge: &mut *charged,
-            };
-            // Learn at decision time, as the replica will once it starts the prefill: a
-            // burst sharing a new prefix then follows the first request instead of
-            // scattering. Not after the write: at a burst's start every request opens a
-            // new upstream connection, and the ones decided meanwhile scattered
-            // (pipeline under cache pressure: 87% hit rate recorded here, 74% recorded
-            // after the write, median of 4). An attempt that then fails to connect leaves
-            // its prompt in the target's trie (bounded, LRU) or pending set (3 s).
-            route.strategy.record(input, &view, &decision);
-            let exchange = upstream::exchange(&self.pool, &up, session, out, started);
-            let result = match route.total_timeout {
-                None => exchange.await,
-                Some(limit) => match tokio::time::timeout(limit, exchange).await {
-                    Ok(result) => result,
-                    Err(_) => Err(ExchangeError::Final(GatewayError::UpstreamTimeout {
-                        target: target.state.label().to_string(),
-                        reason: format!("no complete response within {} ms", limit.as_millis()),
-                    })),
-                },
-            };
-            let outcome = match &result {
-                Ok(o) if o.status >= 500 => Outcome::Failure,
-                Ok(_) => Outcome::Success,
-                Err(ExchangeError::Retryable(_)) => Outcome::Failure,
-                Err(ExchangeError::Final(e)) if e.client_unreachable() => Outcome::Abandoned,
-                Err(ExchangeError::Final(_)) => Outcome::Failure,
-            };
-            now_instant = match &result {
-                Ok(o) => o.finished,
-                Err(_) => Instant::now(),
-            };
-            if let Some(t) = ticket.report(outcome, ms_at(now_instant), &table.breaker) {
-                log::warn!("target {}: {}", target.state.label(), t.as_str());
-                METRICS
-                    .breaker_events
-                    .with_label_values(&[target.state.label(), t.as_str()])
-                    .inc();
-            }
+            let attempt = Attempt::begin(route, &request.input, &view, decision, ticket);
+            let result = self.exchange(session, table, &attempt, &mut request).await;
+            now = attempt.settle(&result, &table.breaker);
             match result {
                 Ok(outcome) => {
                     ctx.status = outcome.status;
-                    target
-                        .state
-                        .observe_upstream(outcome.ttfb, outcome.finished - started);
-                    if let Ok(status) = http::StatusCode::from_u16(outcome.status) {
-                        route
-                            .metrics
-                            .answered(decision.target, target.state.label(), status);
-                        ctx.counted = true;
-                    }
+                    ctx.counted = http::StatusCode::from_u16(outcome.status).is_ok();
                     return Ok(());
                 }
                 Err(ExchangeError::Retryable(e)) => {
@@ -349,6 +263,57 @@ impl Gateway {
             }
         }
         Err(last_error.unwrap_or_else(|| GatewayError::NoEligibleTarget(route.alias.clone())))
+    }
+
+    /// One attempt's exchange: send the request to its target and relay the answer,
+    /// within the route's total limit.
+    async fn exchange(
+        &self,
+        session: &mut Session,
+        table: &RouteTable,
+        attempt: &Attempt<'_>,
+        request: &mut Prepared<'_, '_>,
+    ) -> Result<upstream::ExchangeOutcome, ExchangeError> {
+        let target = attempt.target;
+        let model_span = &request.model_span;
+        let quoted_model = target.upstream_model_json.as_bytes();
+        let head = upstream::encode_head(
+            session.req_header(),
+            &target.host,
+            &target.base_path,
+            request.body.len() - model_span.len() + quoted_model.len(),
+            request.client,
+        );
+        let up = Upstream {
+            peer: &target.peer,
+            idle: target
+                .idle
+                .get_or_init(|| self.pool.stack_for(&target.peer))
+                .as_deref(),
+            label: target.state.label(),
+            idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
+        };
+        let out = upstream::Outgoing {
+            body: &mut *request.body,
+            head: &head,
+            model_span: model_span.clone(),
+            model: quoted_model,
+            charge: &mut *request.charged,
+        };
+        let exchange = async {
+            let answer = upstream::send(&self.pool, &up, session, out, attempt.started).await?;
+            upstream::relay(&self.pool, &up, session, answer).await
+        };
+        match attempt.route.total_timeout {
+            None => exchange.await,
+            Some(limit) => match tokio::time::timeout(limit, exchange).await {
+                Ok(result) => result,
+                Err(_) => Err(ExchangeError::Final(GatewayError::UpstreamTimeout {
+                    target: target.state.label().to_string(),
+                    reason: format!("no complete response within {} ms", limit.as_millis()),
+                })),
+            },
+        }
     }
 
     async fn serve_local(

@@ -242,14 +242,26 @@ fn write_ip(out: &mut Vec<u8>, ip: IpAddr) {
     }
 }
 
-/// Send the request to the upstream and relay its response to `session`.
-pub async fn exchange(
+/// The upstream's answer with its head read, not yet relayed ([`relay`] does that).
+pub struct Answer {
+    http: HttpSession,
+    /// Whether the upstream connection came from the pool.
+    reused: bool,
+    /// Upstream status.
+    pub status: u16,
+    /// Selection-to-response-header time.
+    pub ttfb: Duration,
+}
+
+/// Send the request to the upstream and read its response head. The request's buffer and
+/// its charge are let go as soon as the head is in.
+pub async fn send(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     out: Outgoing<'_, '_>,
     started: Instant,
-) -> Result<ExchangeOutcome, ExchangeError> {
+) -> Result<Answer, ExchangeError> {
     let sent = {
         let mut spill = Vec::new();
         let request =
@@ -257,13 +269,39 @@ pub async fn exchange(
                 .frame_or_copy(out.head, out.model_span.clone(), out.model, &mut spill);
         unless_client_gone(session, send_and_read_head(pool, up, request, started)).await
     };
-    let (mut http, reused) = sent.map_err(ExchangeError::Final)??;
+    let (http, reused) = sent.map_err(ExchangeError::Final)??;
     out.body.release();
     out.charge.release();
     crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
     let ttfb = started.elapsed();
-    let upstream_header = http.resp_header().expect("response header was just read");
-    let status = upstream_header.status.as_u16();
+    let status = http
+        .resp_header()
+        .expect("response header was just read")
+        .status
+        .as_u16();
+    Ok(Answer {
+        http,
+        reused,
+        status,
+        ttfb,
+    })
+}
+
+/// Relay an answer to `session`: its head, then its body as it arrives; the upstream
+/// connection goes back to the pool when the body ends.
+pub async fn relay(
+    pool: &UpstreamPool,
+    up: &Upstream<'_>,
+    session: &mut Session,
+    answer: Answer,
+) -> Result<ExchangeOutcome, ExchangeError> {
+    let Answer {
+        mut http,
+        reused,
+        status,
+        ttfb,
+    } = answer;
+    let upstream_header = http.resp_header().expect("response header was read");
     let header = downstream_response(upstream_header)
         .map_err(|e| ExchangeError::Final(upstream_error(up.label, &e)))?;
     let no_body = http.is_body_done();

@@ -7,14 +7,15 @@
 use crate::config::{BreakerConfig, LimitsConfig};
 use crate::egress::EgressPolicy;
 use crate::fleet::lmcache::{LmcacheEndpoint, LmcacheStatus};
+use crate::fleet::ms_at;
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{KvState, TargetKey, TargetState};
-use crate::routing::Strategy;
+use crate::routing::{Candidate, KvView, Strategy};
 use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One target of a route, ready to forward to.
 pub struct RouteTarget {
@@ -81,6 +82,31 @@ pub struct Route {
     pub total_timeout: Option<Duration>,
     /// This route's per-request metric series, resolved once.
     pub metrics: crate::metrics::RouteMetrics,
+}
+
+impl Route {
+    /// The targets as a strategy sees them at `now`: load, eligibility, prefix and
+    /// residency state, fresh LMCache status.
+    pub fn candidates(&self, now: Instant) -> Vec<Candidate<'_>> {
+        let now_ms = ms_at(now);
+        self.targets
+            .iter()
+            .map(|t| Candidate {
+                inflight: t.state.inflight(),
+                eligible: t.state.eligible(now_ms),
+                weight: t.weight,
+                prefix: Some(&t.state.trie),
+                label: t.state.label(),
+                kv: t.kv.as_deref().map(|kv| KvView {
+                    index: &kv.index,
+                    trusted: kv.stream.is_trusted(),
+                    stream: Some(&kv.stream),
+                    pending: Some(&kv.pending),
+                }),
+                lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
+            })
+            .collect()
+    }
 }
 
 /// Everything one routing-file generation defines.
