@@ -21,9 +21,8 @@ pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
 /// Default prompt bytes per token: English text averages about 4 characters per BPE token
 /// (OpenAI's rule of thumb); the chat encoding adds a few bytes per message.
 pub const DEFAULT_PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
-/// Distinct prompt bytes a trie node holds on average when filled with chat prompts:
-/// `src/prefix/trie.rs` measures 96.1 B of memory per node and 1.64 B per stored byte.
-pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = 96.1 / 1.64;
+/// Distinct prompt bytes a trie node holds on average when filled with chat prompts.
+pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = crate::prefix::trie::PROMPT_BYTES_PER_NODE;
 
 /// Node cap of a target's prefix trie so that it holds about as many distinct prompt bytes
 /// as its replica's KV cache holds tokens (`kv_cache_tokens` × `bytes_per_token`), never above
@@ -346,7 +345,7 @@ mod tests {
     fn trie_cap_follows_the_replica_kv_cache() {
         // No capacity known: the route's cap.
         assert_eq!(trie_nodes_for_kv_cache(None, 4.0, 1_000_000), 1_000_000);
-        // 8,192 tokens × 6 B ≈ 49 KB of prompt ≈ 839 nodes of ~58.6 B.
+        // 8,192 tokens × 6 B ≈ 49 KB of prompt ≈ 840 nodes of ~58.5 B.
         let n = trie_nodes_for_kv_cache(Some(8192), 6.0, 1_000_000);
         assert!((830..=850).contains(&n), "{n}");
         // Twice the cache, twice the nodes; never above the route's cap, never below 2.
