@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec cargo run --release --bin rolter -- --demo --listen "${ROLTER_DEMO_LISTEN:-127.0.0.1:8080}" "$@"
+exec cargo run --release --features demo --bin rolter -- --demo --listen "${ROLTER_DEMO_LISTEN:-127.0.0.1:8080}" "$@"

@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 
 cargo fmt --all --check
-cargo clippy --workspace --all-targets -- -D warnings
-cargo test --workspace
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+# `--all-features`: the demo tests (tests/demo.rs, tests/stop.rs) need `rolter --demo`.
+cargo test --workspace --all-features
 
 if [ -d tests/python ]; then
   cargo build -q -p rolter-loadtest --bins

@@ -8,6 +8,7 @@
 
 pub mod allocator;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod egress;
 pub mod fleet;

@@ -45,7 +45,8 @@ pub struct Cli {
     /// Address the proxy listens on.
     #[arg(long, default_value = DEFAULT_LISTEN)]
     pub listen: String,
-    /// Start simulated replicas in-process and route to them (no GPU, no config).
+    /// Start simulated replicas in-process and route to them (no GPU, no config); needs
+    /// a build with the `demo` feature (scripts/demo.sh).
     #[arg(long)]
     pub demo: bool,
 }
@@ -54,7 +55,15 @@ pub struct Cli {
 pub fn run(mut cli: Cli) -> Result<(), String> {
     survive_early_sighup()?;
     if cli.demo {
-        cli.routes = crate::demo::start(&cli.listen)?;
+        #[cfg(feature = "demo")]
+        {
+            cli.routes = crate::demo::start(&cli.listen)?;
+        }
+        #[cfg(not(feature = "demo"))]
+        return Err(
+            "--demo: this build has no demo fleet (build with `--features demo`, as scripts/demo.sh does)"
+                .into(),
+        );
     }
     // SIGHUP re-reads this path later, and `-d` changes the working directory to `/`.
     cli.routes =
