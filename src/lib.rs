@@ -20,3 +20,4 @@ pub mod proxy;
 pub mod routing;
 pub mod runtime;
 pub mod server;
+pub mod tokenize;
