@@ -34,7 +34,7 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
 
 /// A route's tokenizer with its prefix cache.
 pub struct RouteTokenizer {
-    model: ModelTokenizer,
+    model: Arc<ModelTokenizer>,
     cache: PrefixIdsCache,
 }
 
@@ -49,10 +49,20 @@ impl std::fmt::Debug for RouteTokenizer {
 impl RouteTokenizer {
     /// Load `dir` with a cache bounded to `cache_bytes`.
     pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
-        Ok(RouteTokenizer {
-            model: ModelTokenizer::load(dir)?,
+        Ok(Self::with_model(Arc::new(ModelTokenizer::load(dir)?), cache_bytes))
+    }
+
+    /// A loaded model with a new, empty cache.
+    pub fn with_model(model: Arc<ModelTokenizer>, cache_bytes: usize) -> Self {
+        RouteTokenizer {
+            model,
             cache: PrefixIdsCache::new(cache_bytes),
-        })
+        }
+    }
+
+    /// The loaded model tokenizer, shareable.
+    pub fn model_arc(&self) -> Arc<ModelTokenizer> {
+        self.model.clone()
     }
 
     /// The loaded model tokenizer.
