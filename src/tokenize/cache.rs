@@ -64,7 +64,7 @@ pub struct PrefixIdsCache {
 }
 
 fn cost(ids: &[u32]) -> usize {
-    ids.len() * std::mem::size_of::<u32>() + ENTRY_OVERHEAD
+    std::mem::size_of_val(ids) + ENTRY_OVERHEAD
 }
 
 impl PrefixIdsCache {

@@ -49,7 +49,10 @@ impl std::fmt::Debug for RouteTokenizer {
 impl RouteTokenizer {
     /// Load `dir` with a cache bounded to `cache_bytes`.
     pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
-        Ok(Self::with_model(Arc::new(ModelTokenizer::load(dir)?), cache_bytes))
+        Ok(Self::with_model(
+            Arc::new(ModelTokenizer::load(dir)?),
+            cache_bytes,
+        ))
     }
 
     /// A loaded model with a new, empty cache.
