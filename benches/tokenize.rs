@@ -31,7 +31,7 @@ fn body(turns: usize) -> Vec<u8> {
         while s.len() < per_turn {
             i = i.wrapping_mul(2_654_435_761).wrapping_add(12_345);
             s.push_str(WORDS[(i >> 7) % WORDS.len()]);
-            s.push(if i % 11 == 0 { '\n' } else { ' ' });
+            s.push(if i.is_multiple_of(11) { '\n' } else { ' ' });
         }
         s
     };
