@@ -21,3 +21,4 @@ pub mod proxy;
 pub mod routing;
 pub mod runtime;
 pub mod server;
+pub mod tokenize;

@@ -32,7 +32,6 @@ use serde_json::{json, Value};
 
 use crate::kv_events::KvFault;
 use crate::replica::{GenEvent, HttpFault, LmcacheFault, Replica, RequestRecord, Usage};
-use crate::tokenizer;
 
 /// Longest a fault-injected hang lasts (it ends earlier at shutdown).
 pub const HANG_LIMIT: Duration = Duration::from_secs(600);
@@ -116,7 +115,11 @@ async fn render_chat(State(r): State<Arc<Replica>>, body: Bytes) -> Response {
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
         return openai_error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
     };
-    match tokenizer::request_prompt_tokens("/v1/chat/completions", &req) {
+    match r
+        .config()
+        .tokenizer
+        .request_prompt_tokens("/v1/chat/completions", &body, &req)
+    {
         Some(ids) => Json(generate_request(&r, &req, ids)).into_response(),
         None => openai_error(StatusCode::BAD_REQUEST, "missing or invalid `messages`"),
     }
@@ -128,7 +131,11 @@ async fn render_completions(State(r): State<Arc<Replica>>, body: Bytes) -> Respo
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
         return openai_error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
     };
-    match tokenizer::request_prompt_tokens("/v1/completions", &req) {
+    match r
+        .config()
+        .tokenizer
+        .request_prompt_tokens("/v1/completions", &body, &req)
+    {
         Some(ids) => Json(json!([generate_request(&r, &req, ids)])).into_response(),
         None => openai_error(StatusCode::BAD_REQUEST, "missing or invalid `prompt`"),
     }
@@ -159,7 +166,7 @@ async fn generate(r: Arc<Replica>, kind: Kind, headers: HeaderMap, body: Bytes) 
         .and_then(|v| v.get("model"))
         .and_then(Value::as_str)
         .map(str::to_string);
-    let prompt = req.and_then(|v| tokenizer::request_prompt_tokens(path, v));
+    let prompt = req.and_then(|v| r.config().tokenizer.request_prompt_tokens(path, &body, v));
     let header_str = |name: &str| {
         headers
             .get(name)

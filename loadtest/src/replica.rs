@@ -51,6 +51,8 @@ pub struct ReplicaConfig {
     pub default_max_tokens: usize,
     /// Serve `GET /cache/status` (LMCache-style occupancy).
     pub lmcache_status: bool,
+    /// How prompts and replies become token ids (`--tokenizer DIR`).
+    pub tokenizer: tokenizer::PromptTokenizer,
 }
 
 impl Default for ReplicaConfig {
@@ -65,6 +67,7 @@ impl Default for ReplicaConfig {
             max_running: DEFAULT_MAX_RUNNING,
             default_max_tokens: DEFAULT_MAX_TOKENS,
             lmcache_status: true,
+            tokenizer: tokenizer::PromptTokenizer::Builtin,
         }
     }
 }
@@ -322,10 +325,7 @@ impl Replica {
         let first_at = Instant::now() + cost.prefill(prompt.len(), hit);
         let (words, out_tokens) = {
             let words = tokenizer::reply_words(&prompt, n);
-            let toks: Vec<u32> = words
-                .iter()
-                .map(|w| tokenizer::piece_id(w.as_bytes()))
-                .collect();
+            let toks = self.cfg.tokenizer.reply_tokens(&words);
             (words, toks)
         };
         for (i, word) in words.iter().enumerate() {

@@ -96,6 +96,11 @@ pub struct SimArgs {
     /// Write each replica's live KV stream to DIR/replica-{i}.bin (+ .jsonl).
     #[arg(long)]
     pub events_dump: Option<PathBuf>,
+    /// Tokenize prompts and replies with this Hugging Face tokenizer directory (as the
+    /// gateway's `tokenizer` route key does) instead of the built-in word tokenizer; with
+    /// `rolter-load compare`, the driver's `x-rolter-vllm-token-ids` use it too.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 fn micros(us: f64) -> Duration {
@@ -103,6 +108,14 @@ fn micros(us: f64) -> Duration {
 }
 
 impl SimArgs {
+    /// The tokenizer `--tokenizer` names (exits with the reason if it cannot be loaded).
+    pub fn prompt_tokenizer(&self) -> crate::tokenizer::PromptTokenizer {
+        crate::tokenizer::PromptTokenizer::load(self.tokenizer.as_deref()).unwrap_or_else(|e| {
+            eprintln!("--tokenizer: {e}");
+            std::process::exit(2)
+        })
+    }
+
     /// The fleet these flags describe.
     pub fn fleet_config(&self) -> FleetConfig {
         FleetConfig {
@@ -124,6 +137,7 @@ impl SimArgs {
                 max_running: self.max_running.max(1),
                 default_max_tokens: self.default_max_tokens,
                 lmcache_status: !self.no_lmcache,
+                tokenizer: self.prompt_tokenizer(),
             },
             kv_events: (!self.no_kv_events).then(|| KvEventsConfig {
                 topic: self.topic.clone(),

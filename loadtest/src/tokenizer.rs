@@ -16,7 +16,71 @@
 //! back into the next turn's assistant message, the next turn's prompt tokens start with the
 //! previous prompt tokens followed by the previous output tokens, like a real chat template.
 
+use std::path::Path;
+use std::sync::Arc;
+
 use serde_json::Value;
+
+/// The gateway's Hugging Face tokenizer module (`src/tokenize/hf/`), compiled into the
+/// simulator so `--tokenizer DIR` tokenizes exactly as the gateway (and vLLM) does. A module
+/// include rather than a dependency: the gateway package depends on this one.
+#[path = "../../src/tokenize/hf/mod.rs"]
+#[allow(dead_code)]
+pub mod hf;
+
+/// Which tokenizer the simulator and the load driver use for prompts and replies.
+#[derive(Debug, Clone, Default)]
+pub enum PromptTokenizer {
+    /// The built-in deterministic word tokenizer and template (this module).
+    #[default]
+    Builtin,
+    /// A Hugging Face tokenizer directory (`--tokenizer DIR`).
+    Hf(Arc<hf::ModelTokenizer>),
+}
+
+impl PromptTokenizer {
+    /// The built-in tokenizer, or `dir`'s.
+    pub fn load(dir: Option<&Path>) -> Result<Self, String> {
+        match dir {
+            None => Ok(PromptTokenizer::Builtin),
+            Some(d) => hf::ModelTokenizer::load(d)
+                .map(|t| PromptTokenizer::Hf(Arc::new(t)))
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Prompt token ids of a request (`body` is `raw` parsed).
+    pub fn request_prompt_tokens(&self, path: &str, raw: &[u8], body: &Value) -> Option<Vec<u32>> {
+        match self {
+            PromptTokenizer::Builtin => request_prompt_tokens(path, body),
+            PromptTokenizer::Hf(t) if path.ends_with("/chat/completions") => t.chat_ids(raw).ok(),
+            PromptTokenizer::Hf(t) => t.completion_ids(raw).ok(),
+        }
+    }
+
+    /// Prompt token ids of a conversation as the driver sends it (`{"role", "content"}`).
+    pub fn chat_tokens(&self, messages: &[ChatMessage]) -> Vec<u32> {
+        match self {
+            PromptTokenizer::Builtin => chat_tokens(messages),
+            PromptTokenizer::Hf(t) => {
+                let msgs: Vec<Value> = messages
+                    .iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect();
+                let body = serde_json::json!({ "messages": msgs }).to_string();
+                t.chat_ids(body.as_bytes()).unwrap_or_default()
+            }
+        }
+    }
+
+    /// Token ids of the reply words (joined by single spaces).
+    pub fn reply_tokens(&self, words: &[&str]) -> Vec<u32> {
+        match self {
+            PromptTokenizer::Builtin => words.iter().map(|w| piece_id(w.as_bytes())).collect(),
+            PromptTokenizer::Hf(t) => t.encode(&words.join(" "), false).unwrap_or_default(),
+        }
+    }
+}
 
 /// Vocabulary size, of the order of Llama 3's (128,256 tokens).
 pub const VOCAB_SIZE: u32 = 128_000;

@@ -330,6 +330,18 @@ pub struct RouteConfig {
     /// Pipeline score term weights.
     #[serde(default)]
     pub pipeline: PipelineConfig,
+    /// The model's Hugging Face tokenizer directory (`tokenizer.json`, `tokenizer_config.json`
+    /// with its chat template, ...), relative to the routing file: precise_cache_aware then
+    /// computes vLLM's token ids itself when a request carries no ids header (`tokenize/`).
+    #[serde(default)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Memory bound of the tokenizer's cache of earlier messages' ids, in bytes.
+    #[serde(default = "default_tokenizer_cache_bytes")]
+    pub tokenizer_cache_bytes: usize,
+}
+
+fn default_tokenizer_cache_bytes() -> usize {
+    crate::tokenize::DEFAULT_CACHE_BYTES
 }
 
 /// Pipeline score term weights (see `routing::pipeline`).

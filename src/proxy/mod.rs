@@ -173,12 +173,26 @@ impl Gateway {
         ctx.route = Some(route.alias.clone());
         ctx.strategy = route.strategy.name();
         let headers = &session.req_header().headers;
-        let token_ids = route
+        let header_ids = route
             .strategy
             .uses_token_ids()
             .then(|| headers.get(TOKEN_IDS_HEADER))
             .flatten()
             .and_then(|v| prompt::parse_token_ids(v.as_bytes()));
+        // No ids header: the route's tokenizer computes vLLM's ids (large bodies off the
+        // request loop); a failure routes without ids, as a missing header does.
+        let token_ids = match (header_ids, &route.tokenizer) {
+            (None, Some(tok)) if route.strategy.uses_token_ids() => {
+                match tok.ids(endpoint, body.body()).await {
+                    Ok(ids) => Some(ids),
+                    Err(e) => {
+                        log::debug!("route {}: no token ids: {e}", route.alias);
+                        None
+                    }
+                }
+            }
+            (ids, _) => ids,
+        };
         let session_id = route
             .strategy
             .uses_session_id()

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,6 +92,24 @@ impl RouteTable {
             };
             resolved.push((upstream, kv_spec));
         }
+        // Tokenizers load here too (a broken directory rejects the file; a relative path
+        // is relative to the routing file, which `-d` does not move).
+        let base = Path::new(origin).parent().unwrap_or(Path::new(""));
+        let mut tokenizers = Vec::with_capacity(config.routes.len());
+        for (index, r) in config.routes.iter().enumerate() {
+            let tok = match &r.tokenizer {
+                None => None,
+                Some(dir) => Some(Arc::new(
+                    crate::tokenize::RouteTokenizer::load(&base.join(dir), r.tokenizer_cache_bytes)
+                        .map_err(|error| LoadError::Tokenizer {
+                            path: origin.to_owned(),
+                            index,
+                            error,
+                        })?,
+                )),
+            };
+            tokenizers.push(tok);
+        }
         // Phase 2: bind to the long-lived state (cannot fail).
         let mut providers = HashMap::new();
         let mut entries = Vec::new();
@@ -126,7 +145,7 @@ impl RouteTable {
             }
         }
         let mut routes = HashMap::new();
-        for r in &config.routes {
+        for (r, tokenizer) in config.routes.iter().zip(tokenizers) {
             let ms = |route: Option<u64>, global: u64| route.unwrap_or(global);
             let timeouts = PeerTimeouts {
                 connect_ms: ms(r.timeouts.connect_timeout_ms, limits.connect_timeout_ms),
@@ -187,6 +206,7 @@ impl RouteTable {
                 strategy,
                 targets,
                 total_timeout: (total_ms > 0).then(|| Duration::from_millis(total_ms)),
+                tokenizer,
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }

@@ -41,6 +41,12 @@ pub enum LoadError {
         authority: String,
         reason: String,
     },
+    #[error("{path}: routes[{index}].tokenizer: {error}")]
+    Tokenizer {
+        path: String,
+        index: usize,
+        error: crate::tokenize::LoadError,
+    },
     #[error("{path}: providers[{index}].{key}: provider \"{provider}\": {error}")]
     Egress {
         path: String,

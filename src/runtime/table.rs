@@ -82,6 +82,8 @@ pub struct Route {
     pub total_timeout: Option<Duration>,
     /// This route's per-request metric series, resolved once.
     pub metrics: crate::metrics::RouteMetrics,
+    /// The model's tokenizer, when the route names one (`tokenize/`).
+    pub tokenizer: Option<Arc<crate::tokenize::RouteTokenizer>>,
 }
 
 impl Route {

@@ -117,6 +117,7 @@ impl DriverArgs {
             max_duration: Duration::from_secs_f64(self.max_duration_secs.max(0.001)),
             think_time: Duration::from_secs_f64(self.think_time_ms.max(0.0) / 1e3),
             seed,
+            tokenizer: Default::default(),
         }
     }
 
@@ -347,6 +348,7 @@ pub async fn run_strategy_traced(
     workdir: &Path,
 ) -> Result<StrategyReport, CompareError> {
     let mut fc = sim.fleet_config();
+    let prompt_tokenizer = fc.replica.tokenizer.clone();
     fc.http_base_port = 0;
     fc.kv_base_port = 0;
     let fleet = spawn_fleet(fc).await.map_err(CompareError::Fleet)?;
@@ -356,6 +358,7 @@ pub async fn run_strategy_traced(
         reason,
     };
     let mut opts = driver.run_options(seed);
+    opts.tokenizer = prompt_tokenizer;
     let (base, count) = split_gateways(strategy);
     let started = match base {
         "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),

@@ -83,6 +83,8 @@ pub struct RunOptions {
     pub think_time: Duration,
     /// Seed of the open-loop arrival process and of think times.
     pub seed: u64,
+    /// How the `x-rolter-vllm-token-ids` header's ids are computed (the simulator's own).
+    pub tokenizer: tokenizer::PromptTokenizer,
 }
 
 impl Default for RunOptions {
@@ -96,6 +98,7 @@ impl Default for RunOptions {
             max_duration: Duration::from_secs(240),
             think_time: Duration::ZERO,
             seed: 1,
+            tokenizer: tokenizer::PromptTokenizer::Builtin,
         }
     }
 }
@@ -242,7 +245,7 @@ async fn send_call(
 ) -> (RequestOutcome, String) {
     let session = &shared.sessions[i];
     let messages = session.call_messages(t, call, replies);
-    let tokens = tokenizer::chat_tokens(&messages);
+    let tokens = shared.opts.tokenizer.chat_tokens(&messages);
     let url = format!(
         "{}/v1/chat/completions",
         shared.dispatch.url(i, &shared.rr).trim_end_matches('/')
