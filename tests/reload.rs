@@ -338,6 +338,13 @@ async fn an_invalid_file_is_rejected_logged_counted_and_the_old_routes_keep_serv
                 + &route("alias", "round_robin", &["pc"]),
             "no-such-host.invalid",
         ),
+        (
+            // A tokenizer directory that is not there (found when the table is built).
+            provider("pc", &c.url())
+                + &route("alias", "precise_cache_aware", &["pc"])
+                    .replace("\"precise_cache_aware\"\n", "\"precise_cache_aware\"\ntokenizer = \"no-such-tokenizer\"\n"),
+            "routes[0].tokenizer",
+        ),
     ];
     for (n, (text, reason)) in bad.iter().enumerate() {
         let failed = metric_or_zero(&gw, FAILED).await;
