@@ -2,6 +2,8 @@
 //! 4 / 16 / 64 warm targets for an 8 KiB prompt, then `record` (insert into the winner's
 //! trie) — what the request path does per request, minus I/O.
 //!
+//! `cache_aware_decision_long/<KiB>`: the same over 16 warm targets for 32 KiB and 256 KiB
+//! prompts (chat histories and agent prompts; issue 26's target is 256 KiB <= 20 µs).
 //!
 //! `decision_concurrent/<targets>`: the same select + record over 2 and 16 targets from 1 thread and from
 //! 2 threads sharing the route (one strategy, one set of tries), each thread serving its own
@@ -28,14 +30,19 @@ const PROMPT_BYTES: usize = 8 << 10;
 
 /// 64 conversations sharing a 2 KiB system prompt, each `PROMPT_BYTES` long.
 fn prompts() -> Vec<Vec<u8>> {
+    prompts_of(64, PROMPT_BYTES)
+}
+
+/// `n` conversations sharing a 2 KiB system prompt, each `bytes` long.
+fn prompts_of(n: usize, bytes: usize) -> Vec<Vec<u8>> {
     let system = b"system\x1fYou are a careful assistant. ".repeat(2048 / 38);
-    (0..64)
+    (0..n)
         .map(|i| {
             let mut p = system.clone();
-            while p.len() < PROMPT_BYTES {
+            while p.len() < bytes {
                 p.extend_from_slice(format!("user\x1fconversation {i} turn text ").as_bytes());
             }
-            p.truncate(PROMPT_BYTES);
+            p.truncate(bytes);
             p
         })
         .collect()
@@ -91,6 +98,35 @@ fn decision(c: &mut Criterion) {
         let view = FleetView::new(&candidates);
         let mut n = 0usize;
         group.bench_with_input(BenchmarkId::from_parameter(targets), &targets, |b, _| {
+            b.iter(|| {
+                n = (n + 1) % prompts.len();
+                black_box(decide(&strategy, &view, &prompts[n]))
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Long prompts over 16 warm targets: 32 conversations of 32 KiB or 256 KiB.
+fn long_prompts(c: &mut Criterion) {
+    const TARGETS: usize = 16;
+    let mut group = c.benchmark_group("cache_aware_decision_long");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(3));
+    for kib in [32usize, 256] {
+        let prompts = prompts_of(32, kib << 10);
+        let tries: Vec<PrefixTrie> = (0..TARGETS).map(|_| PrefixTrie::new(1_000_000)).collect();
+        let labels: Vec<String> = (0..TARGETS).map(|i| format!("t{i}")).collect();
+        let strategy = CacheAware::default();
+        for (i, p) in prompts.iter().enumerate() {
+            tries[i % TARGETS].insert(p);
+        }
+        let candidates = candidates(&tries, &labels, |i| (i % 3) as u64);
+        let view = FleetView::new(&candidates);
+        let mut n = 0usize;
+        group.throughput(Throughput::Bytes((kib << 10) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(kib), &kib, |b, _| {
             b.iter(|| {
                 n = (n + 1) % prompts.len();
                 black_box(decide(&strategy, &view, &prompts[n]))
@@ -172,5 +208,5 @@ fn concurrent_route(
     );
 }
 
-criterion_group!(benches, decision, concurrent);
+criterion_group!(benches, decision, long_prompts, concurrent);
 criterion_main!(benches);

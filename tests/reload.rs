@@ -341,8 +341,10 @@ async fn an_invalid_file_is_rejected_logged_counted_and_the_old_routes_keep_serv
         (
             // A tokenizer directory that is not there (found when the table is built).
             provider("pc", &c.url())
-                + &route("alias", "precise_cache_aware", &["pc"])
-                    .replace("\"precise_cache_aware\"\n", "\"precise_cache_aware\"\ntokenizer = \"no-such-tokenizer\"\n"),
+                + &route("alias", "precise_cache_aware", &["pc"]).replace(
+                    "\"precise_cache_aware\"\n",
+                    "\"precise_cache_aware\"\ntokenizer = \"no-such-tokenizer\"\n",
+                ),
             "routes[0].tokenizer",
         ),
     ];
