@@ -63,6 +63,20 @@ pub struct Metrics {
     pub client_connections: IntGauge,
     /// Client connections closed at accept because `limits.max_connections` were open.
     pub connections_refused: IntCounter,
+    /// Upstream attempts by route and result: answered (relayed to the client), failed
+    /// (not retryable), or the reason a retryable one failed (connect, reset, 502, 503).
+    pub attempts: IntCounterVec,
+    /// Retries started, by route and the reason the attempt before failed.
+    pub retries: IntCounterVec,
+    /// Retryable failures not retried, by route and why: attempts (retry.retries used),
+    /// no_target, deadline, budget.
+    pub retries_refused: IntCounterVec,
+    /// Client requests refused for a missing or wrong key (`[auth]`).
+    pub auth_failures: IntCounter,
+    /// DNS discovery resolutions by provider and result: unchanged, changed, failed.
+    pub discovery: IntCounterVec,
+    /// Addresses (targets per route) a DNS-discovered provider has now.
+    pub discovered_addresses: IntGaugeVec,
 }
 
 /// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
@@ -82,6 +96,8 @@ pub struct RouteMetrics {
     prefix_score: OnceLock<Histogram>,
     /// `rolter_requests_total{status="200"}`, by target index.
     answered_ok: Vec<OnceLock<IntCounter>>,
+    /// `rolter_upstream_attempts_total{result="answered"}`.
+    attempts_answered: OnceLock<IntCounter>,
 }
 
 impl RouteMetrics {
@@ -94,7 +110,34 @@ impl RouteMetrics {
             decisions: (0..reasons).map(|_| OnceLock::new()).collect(),
             prefix_score: OnceLock::new(),
             answered_ok: (0..targets).map(|_| OnceLock::new()).collect(),
+            attempts_answered: OnceLock::new(),
         }
+    }
+
+    /// Count one upstream attempt that ended with `result`.
+    pub fn attempt(&self, result: &'static str) {
+        let series = || METRICS.attempts.with_label_values(&[&self.route, result]);
+        if result == "answered" {
+            self.attempts_answered.get_or_init(series).inc();
+        } else {
+            series().inc();
+        }
+    }
+
+    /// Count one retry after an attempt failed for `reason`.
+    pub fn retry(&self, reason: &'static str) {
+        METRICS
+            .retries
+            .with_label_values(&[&self.route, reason])
+            .inc();
+    }
+
+    /// Count one retryable failure not retried, and why.
+    pub fn retry_refused(&self, why: &'static str) {
+        METRICS
+            .retries_refused
+            .with_label_values(&[&self.route, why])
+            .inc();
     }
 
     /// Count one routing decision with reason number `index` (label `reason`). An index
@@ -288,6 +331,41 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         "Client connections closed at accept because limits.max_connections were open"
     )
     .expect("register rolter_client_connections_refused_total"),
+    attempts: register_int_counter_vec!(
+        "rolter_upstream_attempts_total",
+        "Upstream attempts by route and result (answered, failed, or the retryable failure: connect, reset, 502, 503)",
+        &["route", "result"]
+    )
+    .expect("register rolter_upstream_attempts_total"),
+    retries: register_int_counter_vec!(
+        "rolter_retries_total",
+        "Retries on another target, by route and the failure of the attempt before",
+        &["route", "reason"]
+    )
+    .expect("register rolter_retries_total"),
+    retries_refused: register_int_counter_vec!(
+        "rolter_retries_refused_total",
+        "Retryable failures not retried, by route and why (attempts, no_target, deadline, budget)",
+        &["route", "reason"]
+    )
+    .expect("register rolter_retries_refused_total"),
+    auth_failures: register_int_counter!(
+        "rolter_auth_failures_total",
+        "Client requests refused with 401 for a missing or wrong key"
+    )
+    .expect("register rolter_auth_failures_total"),
+    discovery: register_int_counter_vec!(
+        "rolter_discovery_resolutions_total",
+        "DNS discovery resolutions by provider and result (unchanged, changed, failed)",
+        &["provider", "result"]
+    )
+    .expect("register rolter_discovery_resolutions_total"),
+    discovered_addresses: register_int_gauge_vec!(
+        "rolter_discovered_addresses",
+        "Addresses a discovery = \"dns\" provider resolves to now (each one a target)",
+        &["provider"]
+    )
+    .expect("register rolter_discovered_addresses"),
 });
 
 /// The `kind` labels of `rolter_kv_stream_total`, in `fleet::export`'s order.
@@ -353,6 +431,7 @@ pub fn forget_target(target: &str) {
 /// Drop the health gauge of a provider a reload removed.
 pub fn forget_provider(provider: &str) {
     let _ = METRICS.provider_healthy.remove_label_values(&[provider]);
+    let _ = METRICS.discovered_addresses.remove_label_values(&[provider]);
 }
 
 /// Drop the KV-event series of a provider whose `[providers.kv_events]` a reload removed

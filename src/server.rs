@@ -114,6 +114,10 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         "kv-events",
         crate::kv_events::service::KvEventService(runtime.clone()),
     ));
+    server.add_service(background_service(
+        "dns-discovery",
+        crate::runtime::DiscoveryService(runtime.clone()),
+    ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run_forever();

@@ -74,7 +74,7 @@ impl<'r> Attempt<'r> {
         let outcome = match result {
             Ok(o) if o.status >= 500 => Outcome::Failure,
             Ok(_) => Outcome::Success,
-            Err(ExchangeError::Retryable(_)) => Outcome::Failure,
+            Err(ExchangeError::Retryable(..)) => Outcome::Failure,
             Err(ExchangeError::Final(e)) if e.client_unreachable() => Outcome::Abandoned,
             Err(ExchangeError::Final(_)) => Outcome::Failure,
         };
