@@ -273,13 +273,10 @@ impl Gateway {
             // Whether a failure of this attempt could be followed by another: decided
             // before it starts, so that a 502/503 answer is kept from the client only
             // when another attempt will (most likely) replace it.
-            let may_retry = ctx.attempts < max_attempts
-                && excluded.len() + 1 < route.targets.len()
-                && now < deadline
-                && self.retry_budget.has_room(now, retry);
+            let blocked = self.retry_blocker(ctx.attempts, excluded.len() + 1, route, now, deadline, retry, false);
             let attempt = Attempt::begin(route, &request.input, &view, decision, ticket);
             let result = self
-                .exchange(session, table, &attempt, &mut request, may_retry)
+                .exchange(session, table, &attempt, &mut request, blocked.is_none())
                 .await;
             now = attempt.settle(&result, &table.breaker);
             route.metrics.attempt(match &result {
@@ -289,13 +286,24 @@ impl Gateway {
             });
             match result {
                 Ok(outcome) => {
+                    if let Some(why) = blocked.filter(|_| matches!(outcome.status, 502 | 503)) {
+                        route.metrics.retry_refused(why);
+                    }
                     ctx.status = outcome.status;
                     ctx.counted = http::StatusCode::from_u16(outcome.status).is_ok();
                     return Ok(());
                 }
                 Err(ExchangeError::Retryable(e, reason)) => {
                     excluded.push(decision.target);
-                    let refused = self.retry_refusal(ctx, route, &excluded, now, deadline, retry);
+                    let refused = self.retry_blocker(
+                        ctx.attempts,
+                        excluded.len(),
+                        route,
+                        now,
+                        deadline,
+                        retry,
+                        true,
+                    );
                     if let Some(why) = refused {
                         log::warn!("{e}; not retried ({why})");
                         route.metrics.retry_refused(why);
@@ -321,32 +329,36 @@ impl Gateway {
         Err(last_error.unwrap_or_else(|| GatewayError::NoEligibleTarget(route.alias.clone())))
     }
 
-    /// Why no retry follows a retryable failure at `now` (a label for
-    /// `rolter_retries_refused_total{reason}`), or `None` after taking one retry from the
-    /// budget.
-    fn retry_refusal(
+    /// Why no retry may follow attempt number `attempts` once `tried` targets have been
+    /// tried, at `now` (a label for `rolter_retries_refused_total{reason}`), or `None`
+    /// when one may: then, if `withdraw`, it is taken from the budget.
+    #[allow(clippy::too_many_arguments)]
+    fn retry_blocker(
         &self,
-        ctx: &RequestCtx,
+        attempts: usize,
+        tried: usize,
         route: &Route,
-        excluded: &[usize],
         now: Instant,
         deadline: Instant,
         retry: &crate::config::RetryConfig,
+        withdraw: bool,
     ) -> Option<&'static str> {
-        if ctx.attempts > retry.retries as usize {
+        if attempts > retry.retries as usize {
             return Some("attempts");
         }
-        if excluded.len() >= route.targets.len() {
+        if tried >= route.targets.len() {
             return Some("no_target");
         }
         // The back-off must end before the deadline too.
         if now + Duration::from_millis(retry.max_backoff_ms) >= deadline {
             return Some("deadline");
         }
-        if !self.retry_budget.try_withdraw(now, retry) {
-            return Some("budget");
-        }
-        None
+        let budget = if withdraw {
+            self.retry_budget.try_withdraw(now, retry)
+        } else {
+            self.retry_budget.has_room(now, retry)
+        };
+        (!budget).then_some("budget")
     }
 
     /// One attempt's exchange: send the request to its target and relay the answer,
