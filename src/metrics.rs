@@ -177,7 +177,8 @@ impl RouteMetrics {
 }
 
 /// The process-wide metrics.
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    Metrics {
     requests: register_int_counter_vec!(
         "rolter_requests_total",
         "Requests answered, by route alias, target and HTTP status",
@@ -366,6 +367,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["provider"]
     )
     .expect("register rolter_discovered_addresses"),
+}
 });
 
 /// The `kind` labels of `rolter_kv_stream_total`, in `fleet::export`'s order.
@@ -415,10 +417,35 @@ pub fn export_trie(target: &str, nodes: usize, evictions: u64) {
     );
 }
 
-/// Drop the per-target series of a target a reload removed (its state is dropped too;
-/// if it comes back it starts from zero, histograms included: requests still in flight
-/// on the old state observe into handles no longer exported). The per-route request
-/// counters stay.
+/// Drop every series of `vec` whose label `name` is `value`, whatever its other labels
+/// (a scan of the vector's series: for reloads and discovery, never the request path).
+fn remove_where<T: prometheus::core::MetricVecBuilder>(
+    vec: &prometheus::core::MetricVec<T>,
+    name: &str,
+    value: &str,
+) {
+    use prometheus::core::Collector;
+    for family in vec.collect() {
+        for metric in family.get_metric() {
+            let labels = metric.get_label();
+            if !labels
+                .iter()
+                .any(|l| l.name() == name && l.value() == value)
+            {
+                continue;
+            }
+            let all: std::collections::HashMap<&str, &str> =
+                labels.iter().map(|l| (l.name(), l.value())).collect();
+            let _ = vec.remove(&all);
+        }
+    }
+}
+
+/// Drop every series of a target a reload or DNS discovery removed (its state is dropped
+/// too; if it comes back it starts from zero, histograms included: requests still in
+/// flight on the old state observe into handles no longer exported). Its request and
+/// breaker counters go as well: under discovery, addresses come and go for good, and a
+/// series per address ever seen would grow without bound.
 pub fn forget_target(target: &str) {
     let m = &*METRICS;
     let _ = m.inflight.remove_label_values(&[target]);
@@ -426,12 +453,30 @@ pub fn forget_target(target: &str) {
     let _ = m.trie_evictions.remove_label_values(&[target]);
     let _ = m.upstream_ttfb.remove_label_values(&[target]);
     let _ = m.upstream_latency.remove_label_values(&[target]);
+    remove_where(&m.requests, "target", target);
+    remove_where(&m.breaker_events, "target", target);
 }
 
-/// Drop the health gauge of a provider a reload removed.
+/// Drop the series of a provider a reload or DNS discovery removed: its health gauge and
+/// probe counters and LMCache poll counters.
 pub fn forget_provider(provider: &str) {
+    let m = &*METRICS;
+    let _ = m.provider_healthy.remove_label_values(&[provider]);
+    remove_where(&m.health_checks, "provider", provider);
+    remove_where(&m.lmcache_polls, "provider", provider);
+}
+
+/// Drop the discovery series of a provider no longer discovered by DNS.
+pub fn forget_discovery(provider: &str) {
+    let _ = METRICS
+        .discovered_addresses
+        .remove_label_values(&[provider]);
+    remove_where(&METRICS.discovery, "provider", provider);
+}
+
+/// Drop the health gauge of a provider whose checks are off (nothing probes it).
+pub fn forget_health_gauge(provider: &str) {
     let _ = METRICS.provider_healthy.remove_label_values(&[provider]);
-    let _ = METRICS.discovered_addresses.remove_label_values(&[provider]);
 }
 
 /// Drop the KV-event series of a provider whose `[providers.kv_events]` a reload removed

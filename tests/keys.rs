@@ -76,9 +76,14 @@ async fn each_upstream_sees_only_its_own_key_and_wrong_client_keys_get_401() {
     let dir = TempDir::new("keys");
     let gw = Gateway::start_logged(&routes(&a, &b, &keys_file(&dir), "")).await;
 
-    for (i, key) in [CLIENT_FILE_KEY, CLIENT_ENV_KEY, CLIENT_FILE_KEY, CLIENT_ENV_KEY]
-        .iter()
-        .enumerate()
+    for (i, key) in [
+        CLIENT_FILE_KEY,
+        CLIENT_ENV_KEY,
+        CLIENT_FILE_KEY,
+        CLIENT_ENV_KEY,
+    ]
+    .iter()
+    .enumerate()
     {
         let auth = format!("Bearer {key}");
         let (status, _, body) = post_chat_with(
@@ -114,7 +119,11 @@ async fn each_upstream_sees_only_its_own_key_and_wrong_client_keys_get_401() {
         assert_eq!(v["error"]["code"], "invalid_api_key");
         assert!(v["error"]["param"].is_null());
     }
-    assert_eq!(a.served() + b.served(), served, "a refused request reached an upstream");
+    assert_eq!(
+        a.served() + b.served(),
+        served,
+        "a refused request reached an upstream"
+    );
     let models = reqwest::get(gw.url("/v1/models")).await.unwrap();
     assert_eq!(models.status(), 401);
 
@@ -123,7 +132,10 @@ async fn each_upstream_sees_only_its_own_key_and_wrong_client_keys_get_401() {
     let metrics = reqwest::get(gw.url("/metrics")).await.unwrap();
     assert_eq!(metrics.status(), 200);
     let metrics = metrics.text().await.unwrap();
-    assert!(metrics.contains("rolter_auth_failures_total 4"), "{metrics}");
+    assert!(
+        metrics.contains("rolter_auth_failures_total 4"),
+        "{metrics}"
+    );
     assert_no_secret("/metrics", &metrics);
     assert_no_secret("the log", &gw.log());
 }
@@ -137,7 +149,10 @@ async fn metrics_and_health_can_be_protected_and_no_key_reaches_test_output() {
     let text = routes(&a, &b, &keys_file(&dir), "protect_metrics = true\n");
     let gw = Gateway::start_logged(&text).await;
     let client = reqwest::Client::new();
-    assert_eq!(client.get(gw.url("/health")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        client.get(gw.url("/health")).send().await.unwrap().status(),
+        200
+    );
     // The harness needs an open /health to start; protect it by a reload.
     let text = routes(
         &a,
@@ -177,8 +192,8 @@ async fn metrics_and_health_can_be_protected_and_no_key_reaches_test_output() {
         .arg(&routes_path)
         .output()
         .unwrap();
-    let shown = String::from_utf8_lossy(&out.stdout).to_string()
-        + &String::from_utf8_lossy(&out.stderr);
+    let shown =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{shown}");
     assert_no_secret("-t", &shown);
     // A key env variable that is not set: the error names the variable, not a value.

@@ -42,20 +42,25 @@ async fn retries_hide_a_replica_that_answers_503_to_everything() {
     // than the default budget (20%) allows, so this gateway's budget is raised. The
     // default set-up is the next test.
     let budget = "[retry]\nbudget_ratio = 1.0\n";
-    let gw =
-        Gateway::start_logged(&routes(&[bad.url(), good1.url(), good2.url()], budget)).await;
+    let gw = Gateway::start_logged(&routes(&[bad.url(), good1.url(), good2.url()], budget)).await;
 
     const REQUESTS: usize = 60;
     for i in 0..REQUESTS {
-        let (status, id, body) =
-            post_chat(&gw, chat_body("alias", &format!("question {i}"), i % 2 == 0)).await;
+        let (status, id, body) = post_chat(
+            &gw,
+            chat_body("alias", &format!("question {i}"), i % 2 == 0),
+        )
+        .await;
         assert_eq!(status, 200, "request {i}: {body}");
         assert_ne!(id.as_deref(), Some("bad"));
     }
     // Round robin sent a third of the first attempts to the bad replica; each was
     // retried once, on a good one.
     let tried_bad = bad.served();
-    assert!(tried_bad >= (REQUESTS / 4) as u64, "bad replica tried {tried_bad} times");
+    assert!(
+        tried_bad >= (REQUESTS / 4) as u64,
+        "bad replica tried {tried_bad} times"
+    );
     assert_eq!(
         good1.served() + good2.served(),
         REQUESTS as u64,

@@ -245,7 +245,6 @@ impl Gateway {
         let retry = &table.retry;
         self.retry_budget.record_request(request.at);
         let deadline = request.at + Duration::from_millis(retry.deadline_ms);
-        let max_attempts = retry.retries as usize + 1;
         let mut excluded = Vec::new();
         let mut last_error = None;
         // The clock as of the last step: read once per attempt, not per use.
@@ -273,12 +272,23 @@ impl Gateway {
             // Whether a failure of this attempt could be followed by another: decided
             // before it starts, so that a 502/503 answer is kept from the client only
             // when another attempt will (most likely) replace it.
-            let blocked = self.retry_blocker(ctx.attempts, excluded.len() + 1, route, now, deadline, retry, false);
+            let blocked = self.retry_blocker(
+                ctx.attempts,
+                excluded.len() + 1,
+                route,
+                now,
+                deadline,
+                retry,
+                false,
+            );
             let attempt = Attempt::begin(route, &request.input, &view, decision, ticket);
             let result = self
                 .exchange(session, table, &attempt, &mut request, blocked.is_none())
                 .await;
             now = attempt.settle(&result, &table.breaker);
+            // A target removed meanwhile has had its series dropped: count nothing
+            // against it (the access log still names it).
+            ctx.counted = target.state.is_retired();
             route.metrics.attempt(match &result {
                 Ok(_) => "answered",
                 Err(ExchangeError::Retryable(_, reason)) => reason.as_str(),
@@ -290,7 +300,7 @@ impl Gateway {
                         route.metrics.retry_refused(why);
                     }
                     ctx.status = outcome.status;
-                    ctx.counted = http::StatusCode::from_u16(outcome.status).is_ok();
+                    ctx.counted |= http::StatusCode::from_u16(outcome.status).is_ok();
                     return Ok(());
                 }
                 Err(ExchangeError::Retryable(e, reason)) => {

@@ -50,14 +50,17 @@ impl ClientAuth {
                     continue;
                 }
                 check_api_key(line).map_err(|why| {
-                    fail("auth.keys_file".into(), format!("{file}, line {}: {why}", n + 1))
+                    fail(
+                        "auth.keys_file".into(),
+                        format!("{file}, line {}: {why}", n + 1),
+                    )
                 })?;
                 keys.insert(line.to_string());
             }
         }
         if let Some(var) = &cfg.keys_env {
-            let value = read_env_secret(var)
-                .map_err(|reason| fail("auth.keys_env".into(), reason))?;
+            let value =
+                read_env_secret(var).map_err(|reason| fail("auth.keys_env".into(), reason))?;
             for (n, key) in value
                 .expose()
                 .split(|c: char| c == ',' || c.is_whitespace())
@@ -65,7 +68,10 @@ impl ClientAuth {
                 .enumerate()
             {
                 check_api_key(key).map_err(|why| {
-                    fail("auth.keys_env".into(), format!("${var}, key {}: {why}", n + 1))
+                    fail(
+                        "auth.keys_env".into(),
+                        format!("${var}, key {}: {why}", n + 1),
+                    )
                 })?;
                 keys.insert(key.to_string());
             }
@@ -112,7 +118,9 @@ impl ClientAuth {
 pub fn read_env_secret(var: &str) -> Result<Secret, String> {
     match std::env::var(var) {
         Ok(v) => Ok(Secret::new(v)),
-        Err(std::env::VarError::NotPresent) => Err(format!("environment variable {var} is not set")),
+        Err(std::env::VarError::NotPresent) => {
+            Err(format!("environment variable {var} is not set"))
+        }
         Err(std::env::VarError::NotUnicode(_)) => {
             Err(format!("environment variable {var} is not valid Unicode"))
         }
@@ -144,7 +152,13 @@ mod tests {
         for ok in ["Bearer sk-file-1", "bearer sk-file-2", "BEARER  sk-env-2 "] {
             assert!(auth.admits(Some(&header(ok))), "{ok}");
         }
-        for bad in ["Bearer sk-nope", "sk-file-1", "Basic sk-file-1", "Bearer # team a", ""] {
+        for bad in [
+            "Bearer sk-nope",
+            "sk-file-1",
+            "Basic sk-file-1",
+            "Bearer # team a",
+            "",
+        ] {
             assert!(!auth.admits(Some(&header(bad))), "{bad}");
         }
         assert!(!auth.admits(None));
@@ -163,14 +177,18 @@ mod tests {
             keys_file: Some(file.display().to_string()),
             ..Default::default()
         };
-        let e = ClientAuth::load(&cfg, "routes.toml").unwrap_err().to_string();
+        let e = ClientAuth::load(&cfg, "routes.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 2") && e.contains("auth.keys_file"), "{e}");
         assert!(!e.contains("secret") && !e.contains("sk-good"), "{e}");
         let unset = AuthConfig {
             keys_env: Some("ROLTER_AUTH_TEST_UNSET".into()),
             ..Default::default()
         };
-        let e = ClientAuth::load(&unset, "routes.toml").unwrap_err().to_string();
+        let e = ClientAuth::load(&unset, "routes.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("ROLTER_AUTH_TEST_UNSET is not set"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

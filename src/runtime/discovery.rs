@@ -73,7 +73,9 @@ impl DnsBoard {
 
     /// Forget providers not in `providers`.
     pub fn retain(&self, providers: &HashSet<&str>) {
-        self.sets.lock().retain(|p, _| providers.contains(p.as_str()));
+        self.sets
+            .lock()
+            .retain(|p, _| providers.contains(p.as_str()));
     }
 }
 
@@ -137,9 +139,10 @@ impl BackgroundService for DiscoveryService {
                 let (resolver, policy) = (runtime.resolver(), table.egress().clone());
                 let (host, port) = (d.host.clone(), d.port);
                 // Resolvers may block (getaddrinfo): keep them off the async workers.
-                let found =
-                    tokio::task::spawn_blocking(move || resolve(resolver.as_ref(), &policy, &host, port))
-                        .await;
+                let found = tokio::task::spawn_blocking(move || {
+                    resolve(resolver.as_ref(), &policy, &host, port)
+                })
+                .await;
                 let result = match found {
                     Ok(Ok(addrs)) if addrs == d.addrs => "unchanged",
                     Ok(Ok(addrs)) => {
@@ -151,7 +154,10 @@ impl BackgroundService for DiscoveryService {
                         match applied {
                             Ok(Ok(_)) => "changed",
                             Ok(Err(e)) => {
-                                log::error!("discovery: {}: new addresses not applied: {e}", d.name);
+                                log::error!(
+                                    "discovery: {}: new addresses not applied: {e}",
+                                    d.name
+                                );
                                 "failed"
                             }
                             Err(e) => {

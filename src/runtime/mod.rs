@@ -121,8 +121,7 @@ impl Runtime {
     /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
     pub fn reload(&self) -> Result<(), LoadError> {
         let mut live = self.config.lock();
-        let (config, table) = match Self::read_table(&self.routes_path, &self.registry, &self.ctx)
-        {
+        let (config, table) = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
             Ok(built) => built,
             Err(e) => {
                 METRICS.reloads.with_label_values(&["failed"]).inc();
@@ -232,12 +231,16 @@ impl Runtime {
         {
             crate::metrics::forget_provider(&p.name);
         }
-        for d in old.discovered.iter().filter(|d| !keep_dns.contains(&d.name)) {
-            crate::metrics::forget_provider(&d.name);
+        for d in old
+            .discovered
+            .iter()
+            .filter(|d| !keep_dns.contains(&d.name))
+        {
+            crate::metrics::forget_discovery(&d.name);
         }
         // Nothing probes a provider whose checks are off: no health gauge, as at start.
         for name in &unprobed {
-            crate::metrics::forget_provider(name);
+            crate::metrics::forget_health_gauge(name);
         }
         for e in old.kv.iter().filter(|e| !keep_kv.contains(&e.provider)) {
             crate::metrics::forget_kv_stream(&e.provider);
