@@ -48,11 +48,14 @@ pub struct DiscoveredProvider {
     pub addrs: Vec<IpAddr>,
 }
 
+/// One provider's last good set: the host and port it was resolved for, and the addresses.
+type GoodSet = (String, u16, Vec<IpAddr>);
+
 /// The last good address set of every DNS-discovered provider, kept across table
 /// generations (not on the request path).
 #[derive(Debug, Default)]
 pub struct DnsBoard {
-    sets: parking_lot::Mutex<HashMap<String, (String, u16, Vec<IpAddr>)>>,
+    sets: parking_lot::Mutex<HashMap<String, GoodSet>>,
 }
 
 impl DnsBoard {
