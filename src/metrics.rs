@@ -63,6 +63,20 @@ pub struct Metrics {
     pub client_connections: IntGauge,
     /// Client connections closed at accept because `limits.max_connections` were open.
     pub connections_refused: IntCounter,
+    /// Upstream attempts by route and result: answered (relayed to the client), failed
+    /// (not retryable), or the reason a retryable one failed (connect, reset, 502, 503).
+    pub attempts: IntCounterVec,
+    /// Retries started, by route and the reason the attempt before failed.
+    pub retries: IntCounterVec,
+    /// Retryable failures not retried, by route and why: attempts (retry.retries used),
+    /// no_target, deadline, budget.
+    pub retries_refused: IntCounterVec,
+    /// Client requests refused for a missing or wrong key (`[auth]`).
+    pub auth_failures: IntCounter,
+    /// DNS discovery resolutions by provider and result: unchanged, changed, failed.
+    pub discovery: IntCounterVec,
+    /// Addresses (targets per route) a DNS-discovered provider has now.
+    pub discovered_addresses: IntGaugeVec,
 }
 
 /// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
@@ -82,6 +96,8 @@ pub struct RouteMetrics {
     prefix_score: OnceLock<Histogram>,
     /// `rolter_requests_total{status="200"}`, by target index.
     answered_ok: Vec<OnceLock<IntCounter>>,
+    /// `rolter_upstream_attempts_total{result="answered"}`.
+    attempts_answered: OnceLock<IntCounter>,
 }
 
 impl RouteMetrics {
@@ -94,7 +110,34 @@ impl RouteMetrics {
             decisions: (0..reasons).map(|_| OnceLock::new()).collect(),
             prefix_score: OnceLock::new(),
             answered_ok: (0..targets).map(|_| OnceLock::new()).collect(),
+            attempts_answered: OnceLock::new(),
         }
+    }
+
+    /// Count one upstream attempt that ended with `result`.
+    pub fn attempt(&self, result: &'static str) {
+        let series = || METRICS.attempts.with_label_values(&[&self.route, result]);
+        if result == "answered" {
+            self.attempts_answered.get_or_init(series).inc();
+        } else {
+            series().inc();
+        }
+    }
+
+    /// Count one retry after an attempt failed for `reason`.
+    pub fn retry(&self, reason: &'static str) {
+        METRICS
+            .retries
+            .with_label_values(&[&self.route, reason])
+            .inc();
+    }
+
+    /// Count one retryable failure not retried, and why.
+    pub fn retry_refused(&self, why: &'static str) {
+        METRICS
+            .retries_refused
+            .with_label_values(&[&self.route, why])
+            .inc();
     }
 
     /// Count one routing decision with reason number `index` (label `reason`). An index
@@ -134,7 +177,8 @@ impl RouteMetrics {
 }
 
 /// The process-wide metrics.
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    Metrics {
     requests: register_int_counter_vec!(
         "rolter_requests_total",
         "Requests answered, by route alias, target and HTTP status",
@@ -288,6 +332,42 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         "Client connections closed at accept because limits.max_connections were open"
     )
     .expect("register rolter_client_connections_refused_total"),
+    attempts: register_int_counter_vec!(
+        "rolter_upstream_attempts_total",
+        "Upstream attempts by route and result (answered, failed, or the retryable failure: connect, reset, 502, 503)",
+        &["route", "result"]
+    )
+    .expect("register rolter_upstream_attempts_total"),
+    retries: register_int_counter_vec!(
+        "rolter_retries_total",
+        "Retries on another target, by route and the failure of the attempt before",
+        &["route", "reason"]
+    )
+    .expect("register rolter_retries_total"),
+    retries_refused: register_int_counter_vec!(
+        "rolter_retries_refused_total",
+        "Retryable failures not retried, by route and why (attempts, no_target, deadline, budget)",
+        &["route", "reason"]
+    )
+    .expect("register rolter_retries_refused_total"),
+    auth_failures: register_int_counter!(
+        "rolter_auth_failures_total",
+        "Client requests refused with 401 for a missing or wrong key"
+    )
+    .expect("register rolter_auth_failures_total"),
+    discovery: register_int_counter_vec!(
+        "rolter_discovery_resolutions_total",
+        "DNS discovery resolutions by provider and result (unchanged, changed, failed)",
+        &["provider", "result"]
+    )
+    .expect("register rolter_discovery_resolutions_total"),
+    discovered_addresses: register_int_gauge_vec!(
+        "rolter_discovered_addresses",
+        "Addresses a discovery = \"dns\" provider resolves to now (each one a target)",
+        &["provider"]
+    )
+    .expect("register rolter_discovered_addresses"),
+}
 });
 
 /// The `kind` labels of `rolter_kv_stream_total`, in `fleet::export`'s order.
@@ -337,10 +417,35 @@ pub fn export_trie(target: &str, nodes: usize, evictions: u64) {
     );
 }
 
-/// Drop the per-target series of a target a reload removed (its state is dropped too;
-/// if it comes back it starts from zero, histograms included: requests still in flight
-/// on the old state observe into handles no longer exported). The per-route request
-/// counters stay.
+/// Drop every series of `vec` whose label `name` is `value`, whatever its other labels
+/// (a scan of the vector's series: for reloads and discovery, never the request path).
+fn remove_where<T: prometheus::core::MetricVecBuilder>(
+    vec: &prometheus::core::MetricVec<T>,
+    name: &str,
+    value: &str,
+) {
+    use prometheus::core::Collector;
+    for family in vec.collect() {
+        for metric in family.get_metric() {
+            let labels = metric.get_label();
+            if !labels
+                .iter()
+                .any(|l| l.name() == name && l.value() == value)
+            {
+                continue;
+            }
+            let all: std::collections::HashMap<&str, &str> =
+                labels.iter().map(|l| (l.name(), l.value())).collect();
+            let _ = vec.remove(&all);
+        }
+    }
+}
+
+/// Drop every series of a target a reload or DNS discovery removed (its state is dropped
+/// too; if it comes back it starts from zero, histograms included: requests still in
+/// flight on the old state observe into handles no longer exported). Its request and
+/// breaker counters go as well: under discovery, addresses come and go for good, and a
+/// series per address ever seen would grow without bound.
 pub fn forget_target(target: &str) {
     let m = &*METRICS;
     let _ = m.inflight.remove_label_values(&[target]);
@@ -348,10 +453,29 @@ pub fn forget_target(target: &str) {
     let _ = m.trie_evictions.remove_label_values(&[target]);
     let _ = m.upstream_ttfb.remove_label_values(&[target]);
     let _ = m.upstream_latency.remove_label_values(&[target]);
+    remove_where(&m.requests, "target", target);
+    remove_where(&m.breaker_events, "target", target);
 }
 
-/// Drop the health gauge of a provider a reload removed.
+/// Drop the series of a provider a reload or DNS discovery removed: its health gauge and
+/// probe counters and LMCache poll counters.
 pub fn forget_provider(provider: &str) {
+    let m = &*METRICS;
+    let _ = m.provider_healthy.remove_label_values(&[provider]);
+    remove_where(&m.health_checks, "provider", provider);
+    remove_where(&m.lmcache_polls, "provider", provider);
+}
+
+/// Drop the discovery series of a provider no longer discovered by DNS.
+pub fn forget_discovery(provider: &str) {
+    let _ = METRICS
+        .discovered_addresses
+        .remove_label_values(&[provider]);
+    remove_where(&METRICS.discovery, "provider", provider);
+}
+
+/// Drop the health gauge of a provider whose checks are off (nothing probes it).
+pub fn forget_health_gauge(provider: &str) {
     let _ = METRICS.provider_healthy.remove_label_values(&[provider]);
 }
 

@@ -8,11 +8,11 @@ use crate::config::{DEFAULT_ROUTES_PATH, ROUTES_ENV};
 use crate::lmcache_poll::LmcachePollService;
 use crate::proxy::connection::{ClientConnections, OpenConnections};
 use crate::proxy::Gateway;
-use crate::runtime::{ReloadOnSighup, Runtime};
+use crate::runtime::{LoadContext, ReloadOnSighup, Runtime};
 use clap::Parser;
 use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::server::configuration::Opt;
-use pingora::server::Server;
+use pingora::server::{RunArgs, Server};
 use pingora::services::background::background_service;
 use pingora::services::listening::Service;
 use std::path::PathBuf;
@@ -52,7 +52,16 @@ pub struct Cli {
 }
 
 /// Run rolter with the given CLI; returns only on a startup error.
-pub fn run(mut cli: Cli) -> Result<(), String> {
+pub fn run(cli: Cli) -> Result<(), String> {
+    serve(cli, LoadContext::default(), RunArgs::default())?;
+    // As pingora's `run_forever`: the server ran and shut down.
+    std::process::exit(0)
+}
+
+/// Run rolter with the given CLI, resolving names through `ctx` (tests inject a
+/// resolver), until `args`' shutdown signal; returns once the server has shut down.
+/// `rolter -t` exits the process after the checks, as pingora does.
+pub fn serve(mut cli: Cli, ctx: LoadContext, args: RunArgs) -> Result<(), String> {
     survive_early_sighup()?;
     if cli.demo {
         #[cfg(feature = "demo")]
@@ -68,7 +77,7 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
     // SIGHUP re-reads this path later, and `-d` changes the working directory to `/`.
     cli.routes =
         std::path::absolute(&cli.routes).map_err(|e| format!("{}: {e}", cli.routes.display()))?;
-    let runtime = Runtime::load(&cli.routes).map_err(|e| e.to_string())?;
+    let runtime = Runtime::load_with(&cli.routes, ctx).map_err(|e| e.to_string())?;
     if cli.pingora.test {
         println!("{}: routing file ok", cli.routes.display());
     }
@@ -114,9 +123,14 @@ pub fn run(mut cli: Cli) -> Result<(), String> {
         "kv-events",
         crate::kv_events::service::KvEventService(runtime.clone()),
     ));
+    server.add_service(background_service(
+        "dns-discovery",
+        crate::runtime::DiscoveryService(runtime.clone()),
+    ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
-    server.run_forever();
+    server.run(args);
+    Ok(())
 }
 
 /// SIGHUP's default action ends the process, and the reload service installs its

@@ -15,7 +15,7 @@ mod schema;
 mod validate;
 
 pub use schema::*;
-pub use validate::{check_zmq_endpoint, endpoint_egress_problem, is_bind_endpoint};
+pub use validate::{check_api_key, check_zmq_endpoint, endpoint_egress_problem, is_bind_endpoint};
 
 use std::path::Path;
 use thiserror::Error;

@@ -78,6 +78,127 @@ pub struct Config {
     /// Headers rolter adds to the requests it forwards.
     #[serde(default)]
     pub forwarding: ForwardingConfig,
+    /// Retries of failed attempts on other targets, and their budget.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// Client keys: when present, every proxied request needs one.
+    #[serde(default)]
+    pub auth: Option<AuthConfig>,
+}
+
+/// A secret from the routing file (an API key): its `Debug` never shows the value, so a
+/// `{:?}` of any config type cannot leak it into a log or `-t` output.
+#[derive(Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wrap a value read from elsewhere (an environment variable, a key file).
+    pub fn new(value: String) -> Self {
+        Secret(value)
+    }
+
+    /// The secret itself: for the one place that sends or compares it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret([redacted])")
+    }
+}
+
+/// How a provider's `api_base` host becomes targets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Discovery {
+    /// The host's first address, resolved at load (and on every reload): one target.
+    #[default]
+    Static,
+    /// Every address the host resolves to is a target of its own, re-resolved every
+    /// `refresh_s` (a Kubernetes headless Service, a DNS round-robin name).
+    Dns,
+}
+
+/// Default seconds between two resolutions of a `discovery = "dns"` provider: the
+/// 10 s of smg's and vllm-router's service discovery; Kubernetes' CoreDNS caches 30 s.
+pub const DEFAULT_DNS_REFRESH_S: u64 = 10;
+/// The placeholder a `discovery = "dns"` provider's KV-event endpoints carry for each
+/// discovered address (`tcp://{ip}:5557`).
+pub const IP_PLACEHOLDER: &str = "{ip}";
+
+/// Default retries after a failed first attempt (the seed system's; smg and
+/// vllm-router allow up to 5).
+pub const DEFAULT_RETRIES: u32 = 2;
+/// Most retries a route may ask for.
+pub const MAX_RETRIES: u32 = 10;
+/// Default first back-off before a retry; each further one doubles it (jittered).
+pub const DEFAULT_RETRY_BACKOFF_MS: u64 = 25;
+/// Default cap on one back-off.
+pub const DEFAULT_RETRY_MAX_BACKOFF_MS: u64 = 250;
+/// Default deadline: no retry starts later than this after the request was routed.
+pub const DEFAULT_RETRY_DEADLINE_MS: u64 = 10_000;
+/// Default retry budget: retries may add at most this fraction of the requests of the
+/// last window (Linkerd's and Finagle's default of 20%), so retries cannot amplify an
+/// outage.
+pub const DEFAULT_RETRY_BUDGET_RATIO: f64 = 0.2;
+/// Default window of the retry budget, seconds (Linkerd's default TTL).
+pub const DEFAULT_RETRY_BUDGET_WINDOW_S: u64 = 10;
+/// Default retries allowed per window whatever the traffic, so a quiet gateway can still
+/// retry (Linkerd's 10 per second is for a busier mesh; one per second here).
+pub const DEFAULT_RETRY_BUDGET_MIN: u64 = 10;
+
+/// `[retry]`: attempts on other targets for failures before any response byte reached
+/// the client.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct RetryConfig {
+    /// Retries after the first attempt (0 = none).
+    pub retries: u32,
+    /// First back-off; doubled for each further retry, jittered.
+    pub backoff_ms: u64,
+    /// Cap on one back-off.
+    pub max_backoff_ms: u64,
+    /// No retry starts later than this after the request was routed.
+    pub deadline_ms: u64,
+    /// Retries may add at most this fraction of the window's requests.
+    pub budget_ratio: f64,
+    /// The budget's window, seconds.
+    pub budget_window_s: u64,
+    /// Retries allowed per window whatever the traffic.
+    pub budget_min_retries: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            retries: DEFAULT_RETRIES,
+            backoff_ms: DEFAULT_RETRY_BACKOFF_MS,
+            max_backoff_ms: DEFAULT_RETRY_MAX_BACKOFF_MS,
+            deadline_ms: DEFAULT_RETRY_DEADLINE_MS,
+            budget_ratio: DEFAULT_RETRY_BUDGET_RATIO,
+            budget_window_s: DEFAULT_RETRY_BUDGET_WINDOW_S,
+            budget_min_retries: DEFAULT_RETRY_BUDGET_MIN,
+        }
+    }
+}
+
+/// `[auth]`: the keys clients must present (`Authorization: Bearer <key>`). The keys
+/// themselves are never in the routing file: they come from a file or the environment,
+/// read at load (and on every reload).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct AuthConfig {
+    /// A file with one accepted key per line (blank lines and `#` comments ignored).
+    pub keys_file: Option<String>,
+    /// An environment variable holding accepted keys, separated by commas or whitespace.
+    pub keys_env: Option<String>,
+    /// Whether `GET /metrics` needs a key too.
+    pub protect_metrics: bool,
+    /// Whether `GET /health` and `GET /ready` need a key too.
+    pub protect_health: bool,
 }
 
 /// The kind of upstream API a provider speaks.
@@ -112,6 +233,23 @@ pub struct ProviderConfig {
     /// forgets prompts the replica has likely evicted (see `routing::cache_aware`).
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
+    /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything
+    /// the client sent.
+    #[serde(default)]
+    pub api_key: Option<Secret>,
+    /// Environment variable holding that key (read at load); exclusive with `api_key`.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// How `api_base`'s host becomes targets.
+    #[serde(default)]
+    pub discovery: Discovery,
+    /// Seconds between two resolutions under `discovery = "dns"`.
+    #[serde(default = "default_dns_refresh_s")]
+    pub refresh_s: u64,
+}
+
+fn default_dns_refresh_s() -> u64 {
+    DEFAULT_DNS_REFRESH_S
 }
 
 /// Default staleness limit of a KV-event stream: requests were routed to a replica and

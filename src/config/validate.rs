@@ -1,7 +1,7 @@
 //! Semantic checks the type system cannot express: references between sections,
 //! uniqueness, URL shape, value ranges. Each problem is one line naming its key.
 
-use super::{Config, LmcacheConfig, PINGORA_MAX_HEADER_BYTES};
+use super::{Config, Discovery, LmcacheConfig, IP_PLACEHOLDER, PINGORA_MAX_HEADER_BYTES};
 use crate::egress::{self, EgressPolicy};
 use std::collections::HashSet;
 
@@ -62,11 +62,27 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 &p.api_base,
             ));
         }
+        if p.name.contains('@') {
+            // `name@address` names one discovered target (see `runtime::build`).
+            out.push(format!("providers[{i}].name: must not contain '@'"));
+        }
         if let Some(lmcache) = &p.lmcache {
-            out.extend(lmcache_problems(&policy, i, &p.name, lmcache));
+            if p.discovery == Discovery::Dns {
+                out.push(format!(
+                    "providers[{i}].lmcache: not supported with discovery = \"dns\" (one status endpoint cannot describe many replicas)"
+                ));
+            } else {
+                out.extend(lmcache_problems(&policy, i, &p.name, lmcache));
+            }
         }
         if let Some(kv) = &p.kv_events {
-            out.extend(kv_events_problems(&policy, i, &p.name, kv));
+            out.extend(kv_events_problems(&policy, i, &p.name, kv, p.discovery));
+        }
+        out.extend(key_problems(i, p));
+        if p.discovery == Discovery::Dns && !(1..=MAX_DNS_REFRESH_S).contains(&p.refresh_s) {
+            out.push(format!(
+                "providers[{i}].refresh_s: must be between 1 and {MAX_DNS_REFRESH_S}"
+            ));
         }
     }
     let mut aliases = HashSet::new();
@@ -224,8 +240,81 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             l.max_body_bytes
         ));
     }
+    out.extend(retry_problems(&config.retry));
+    if let Some(auth) = &config.auth {
+        if auth.keys_file.is_none() && auth.keys_env.is_none() {
+            out.push("auth: needs keys_file or keys_env (or both)".into());
+        }
+        if auth.keys_env.as_deref() == Some("") {
+            out.push("auth.keys_env: must name an environment variable".into());
+        }
+    }
     out.extend(egress_problems);
     out
+}
+
+/// Longest `refresh_s` of a DNS-discovered provider (an hour).
+const MAX_DNS_REFRESH_S: u64 = 3_600;
+/// Longest retry budget window, seconds.
+const MAX_BUDGET_WINDOW_S: u64 = 300;
+
+/// Problems of `[retry]`.
+fn retry_problems(r: &super::RetryConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if r.retries > super::MAX_RETRIES {
+        out.push(format!(
+            "retry.retries: must be at most {}",
+            super::MAX_RETRIES
+        ));
+    }
+    if r.backoff_ms > r.max_backoff_ms {
+        out.push("retry.backoff_ms: must be at most retry.max_backoff_ms".into());
+    }
+    if r.deadline_ms == 0 {
+        out.push("retry.deadline_ms: must be greater than 0".into());
+    }
+    if !(r.budget_ratio.is_finite() && (0.0..=10.0).contains(&r.budget_ratio)) {
+        out.push("retry.budget_ratio: must be between 0 and 10".into());
+    }
+    if !(1..=MAX_BUDGET_WINDOW_S).contains(&r.budget_window_s) {
+        out.push(format!(
+            "retry.budget_window_s: must be between 1 and {MAX_BUDGET_WINDOW_S}"
+        ));
+    }
+    out
+}
+
+/// Problems of a provider's `api_key` / `api_key_env`. A problem never quotes the key.
+fn key_problems(i: usize, p: &super::ProviderConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if p.api_key.is_some() && p.api_key_env.is_some() {
+        out.push(format!(
+            "providers[{i}]: api_key and api_key_env are exclusive"
+        ));
+    }
+    if let Some(key) = &p.api_key {
+        if let Err(why) = check_api_key(key.expose()) {
+            out.push(format!("providers[{i}].api_key: {why}"));
+        }
+    }
+    if p.api_key_env.as_deref() == Some("") {
+        out.push(format!(
+            "providers[{i}].api_key_env: must name an environment variable"
+        ));
+    }
+    out
+}
+
+/// Whether `key` can be sent in an `Authorization: Bearer` header: non-empty, visible
+/// ASCII only (no space, no control character). The reason never quotes the key.
+pub fn check_api_key(key: &str) -> Result<(), &'static str> {
+    if key.is_empty() {
+        return Err("must not be empty");
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be visible ASCII characters only (no spaces or control characters)");
+    }
+    Ok(())
 }
 
 /// The egress problem of an endpoint a provider names, as one config problem line:
@@ -284,6 +373,7 @@ fn kv_events_problems(
     i: usize,
     name: &str,
     kv: &super::KvEventsConfig,
+    discovery: Discovery,
 ) -> Vec<String> {
     let mut out = Vec::new();
     let endpoints = [
@@ -292,10 +382,32 @@ fn kv_events_problems(
     ];
     for (key, url) in endpoints {
         let Some(url) = url else { continue };
-        if let Err(why) = check_zmq_endpoint(url) {
+        let templated = url.contains(IP_PLACEHOLDER);
+        if !templated && discovery == Discovery::Dns {
+            out.push(format!(
+                "providers[{i}].kv_events.{key}: with discovery = \"dns\" each address has its own stream: use tcp://{IP_PLACEHOLDER}:port"
+            ));
+            continue;
+        }
+        if templated && discovery != Discovery::Dns {
+            out.push(format!(
+                "providers[{i}].kv_events.{key}: {IP_PLACEHOLDER} is only for discovery = \"dns\""
+            ));
+            continue;
+        }
+        // A template's shape is checked with a documentation address in place of
+        // `{ip}`; each discovered address is egress-checked when it is found.
+        let shape = url.replace(IP_PLACEHOLDER, "192.0.2.1");
+        if let Err(why) = check_zmq_endpoint(&shape) {
             out.push(format!(
                 "providers[{i}].kv_events.{key}: bad endpoint \"{url}\": {why}"
             ));
+        } else if templated {
+            if url.matches(IP_PLACEHOLDER).count() != 1 || !url.starts_with("tcp://{ip}:") {
+                out.push(format!(
+                    "providers[{i}].kv_events.{key}: bad endpoint \"{url}\": expected tcp://{IP_PLACEHOLDER}:port"
+                ));
+            }
         } else if !(key == "endpoint" && is_bind_endpoint(url)) {
             out.extend(endpoint_egress_problem(
                 policy,

@@ -139,6 +139,9 @@ pub struct TargetState {
     label: String,
     inflight: AtomicU64,
     inflight_gauge: IntGauge,
+    /// Set once a reload or DNS discovery removed the target: requests still in flight
+    /// on it must not re-create the metric series its removal dropped.
+    retired: AtomicBool,
     /// This target's series of the upstream histograms, resolved once (a label lookup per
     /// request hashes the label and takes the vector's lock).
     ttfb: prometheus::Histogram,
@@ -162,6 +165,7 @@ impl TargetState {
             label,
             inflight: AtomicU64::new(0),
             inflight_gauge,
+            retired: AtomicBool::new(false),
             health,
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
@@ -182,6 +186,11 @@ impl TargetState {
     pub fn observe_upstream(&self, ttfb: std::time::Duration, total: std::time::Duration) {
         self.ttfb.observe(ttfb.as_secs_f64());
         self.latency.observe(total.as_secs_f64());
+    }
+
+    /// Whether a reload or DNS discovery removed this target (its series are dropped).
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Requests in flight right now.
@@ -289,7 +298,13 @@ impl Registry {
         keep: &std::collections::HashSet<TargetKey>,
         providers: &std::collections::HashSet<String>,
     ) {
-        self.targets.retain(|k, _| keep.contains(k));
+        self.targets.retain(|k, t| {
+            let kept = keep.contains(k);
+            if !kept {
+                t.retired.store(true, Ordering::Release);
+            }
+            kept
+        });
         self.providers.retain(|name, _| providers.contains(name));
     }
 

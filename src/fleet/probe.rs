@@ -144,10 +144,6 @@ impl BackgroundService for HealthProber {
                         tokio::time::timeout(limit, check.check(&backend)).await,
                         Ok(Ok(()))
                     );
-                    METRICS
-                        .health_checks
-                        .with_label_values(&[entry.name.as_str(), if ok { "ok" } else { "failed" }])
-                        .inc();
                     let h = &entry.state;
                     if h.observe(
                         ok,
@@ -160,15 +156,22 @@ impl BackgroundService for HealthProber {
                             if ok { "healthy" } else { "unhealthy" }
                         );
                     }
-                    // Not for a provider a reload removed, or whose checks it switched off,
-                    // while this probe ran: that would re-create the gauge the reload
-                    // dropped (it drops it under this lock).
+                    // Not for a provider a reload or discovery removed, or whose checks it
+                    // switched off, while this probe ran: that would re-create the series
+                    // the reload dropped (it drops them under this lock).
                     let _exporting = crate::metrics::EXPORT_LOCK.lock();
                     if live
                         .current()
                         .iter()
                         .any(|p| p.name == entry.name && p.health.enabled)
                     {
+                        METRICS
+                            .health_checks
+                            .with_label_values(&[
+                                entry.name.as_str(),
+                                if ok { "ok" } else { "failed" },
+                            ])
+                            .inc();
                         METRICS
                             .provider_healthy
                             .with_label_values(&[&entry.name])

@@ -74,7 +74,7 @@ impl<'r> Attempt<'r> {
         let outcome = match result {
             Ok(o) if o.status >= 500 => Outcome::Failure,
             Ok(_) => Outcome::Success,
-            Err(ExchangeError::Retryable(_)) => Outcome::Failure,
+            Err(ExchangeError::Retryable(..)) => Outcome::Failure,
             Err(ExchangeError::Final(e)) if e.client_unreachable() => Outcome::Abandoned,
             Err(ExchangeError::Final(_)) => Outcome::Failure,
         };
@@ -83,18 +83,23 @@ impl<'r> Attempt<'r> {
             Err(_) => Instant::now(),
         };
         let label = self.target.state.label();
+        // A target removed while this attempt ran has had its series dropped: do not
+        // re-create them (the state itself is dropped with the last request on it).
+        let retired = self.target.state.is_retired();
         if let Some(t) = self.ticket.report(outcome, ms_at(ended), breaker) {
             log::warn!("target {label}: {}", t.as_str());
-            METRICS
-                .breaker_events
-                .with_label_values(&[label, t.as_str()])
-                .inc();
+            if !retired {
+                METRICS
+                    .breaker_events
+                    .with_label_values(&[label, t.as_str()])
+                    .inc();
+            }
         }
         if let Ok(o) = result {
             self.target
                 .state
                 .observe_upstream(o.ttfb, o.finished - self.started);
-            if let Ok(status) = http::StatusCode::from_u16(o.status) {
+            if let (Ok(status), false) = (http::StatusCode::from_u16(o.status), retired) {
                 self.route
                     .metrics
                     .answered(self.decision.target, label, status);

@@ -32,6 +32,12 @@ pub enum GatewayError {
     UpstreamBroken { target: String, reason: String },
     #[error("upstream {target} timed out: {reason}")]
     UpstreamTimeout { target: String, reason: String },
+    /// The upstream answered 502 or 503 and no other target could be tried after it.
+    #[error("upstream {target} answered {status}")]
+    UpstreamStatus { target: String, status: u16 },
+    /// No valid client key (`[auth]`).
+    #[error("Incorrect API key provided. Send a valid key as 'Authorization: Bearer <key>'.")]
+    Unauthorized,
     /// The client went away; nothing can be sent.
     #[error("client disconnected: {0}")]
     ClientGone(String),
@@ -78,6 +84,8 @@ impl GatewayError {
             | GatewayError::BodiesOverBudget { .. } => 503,
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
             GatewayError::UpstreamTimeout { .. } => 504,
+            GatewayError::UpstreamStatus { status, .. } => *status,
+            GatewayError::Unauthorized => 401,
             // 499 (nginx's "client closed request") is only ever logged, never sent.
             GatewayError::ClientGone(_) | GatewayError::ClientWriteTimeout(_) => 499,
         }
@@ -98,6 +106,8 @@ impl GatewayError {
             GatewayError::UpstreamConnect { .. } => "upstream_connect",
             GatewayError::UpstreamBroken { .. } => "upstream_broken",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::UpstreamStatus { .. } => "upstream_status",
+            GatewayError::Unauthorized => "invalid_api_key",
             GatewayError::ClientGone(_) => Self::CLIENT_GONE,
             GatewayError::ClientWriteTimeout(_) => Self::CLIENT_WRITE_TIMEOUT,
         }

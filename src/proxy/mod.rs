@@ -28,6 +28,7 @@ pub mod connection;
 pub mod error;
 pub mod framing;
 pub mod pool;
+pub mod retry;
 pub mod upstream;
 
 use crate::fleet::ms_at;
@@ -52,9 +53,6 @@ use upstream::{ExchangeError, Upstream};
 pub const SESSION_ID_HEADER: &str = "x-session-id";
 /// Seconds a client is told to wait when no target is eligible.
 const RETRY_AFTER_SECS: &str = "1";
-/// Attempts per request: the first choice plus one retry on the next-best target
-/// when the first could not be reached (SPEC §3 step 7).
-const MAX_ATTEMPTS: usize = 2;
 
 /// Per-request facts for the access log.
 #[derive(Debug, Default)]
@@ -68,6 +66,8 @@ pub struct RequestCtx {
     status: u16,
     error: Option<&'static str>,
     attempts: usize,
+    /// Why each retried attempt failed (`retry::RetryReason`), in order.
+    retried: Vec<&'static str>,
     stream: bool,
     body_bytes: usize,
     /// `rolter_requests_total` already bumped (through the route's resolved series).
@@ -93,6 +93,7 @@ pub struct Gateway {
     pool: pool::UpstreamPool,
     admission: Admission,
     connections: Arc<connection::OpenConnections>,
+    retry_budget: retry::RetryBudget,
 }
 
 impl Gateway {
@@ -108,6 +109,7 @@ impl Gateway {
             pool: pool::UpstreamPool::new(conf),
             admission: Admission::new(),
             connections,
+            retry_budget: retry::RetryBudget::default(),
         }
     }
 
@@ -120,6 +122,22 @@ impl Gateway {
         admission::apply_client_limits(session, &table.limits);
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
+        if let Some(auth) = &table.auth {
+            // Before the body is read: an unauthenticated client gets no buffer.
+            let protected = match path.as_str() {
+                "/health" | "/ready" => auth.protect_health,
+                "/metrics" => auth.protect_metrics,
+                _ => true,
+            };
+            let presented = session
+                .req_header()
+                .headers
+                .get(http::header::AUTHORIZATION);
+            if protected && !auth.admits(presented) {
+                METRICS.auth_failures.inc();
+                return Err(GatewayError::Unauthorized);
+            }
+        }
         let endpoint = match path.as_str() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
@@ -225,8 +243,11 @@ impl Gateway {
         self.forward(session, ctx, &table, route, request).await
     }
 
-    /// Try the request on the strategy's choice, then (once, if nothing reached the
-    /// upstream) on its next-best; relay the first answer.
+    /// Try the request on the strategy's choice, then, while an attempt fails before any
+    /// response byte reached the client (`ExchangeError::Retryable`), on the next-best
+    /// target not tried yet: at most `retry.retries` times, each after a jittered
+    /// back-off, none starting past `retry.deadline_ms`, and each taken from the retry
+    /// budget. Relay the first answer.
     async fn forward(
         &self,
         session: &mut Session,
@@ -235,12 +256,15 @@ impl Gateway {
         route: &Route,
         mut request: Prepared<'_, '_>,
     ) -> Result<(), GatewayError> {
+        let retry = &table.retry;
+        self.retry_budget.record_request(request.at);
+        let deadline = request.at + Duration::from_millis(retry.deadline_ms);
         let mut excluded = Vec::new();
         let mut last_error = None;
         // The clock as of the last step: read once per attempt, not per use.
         let mut now = request.at;
         // Each pass either makes an attempt or excludes a target, so this terminates.
-        while ctx.attempts < MAX_ATTEMPTS && excluded.len() < route.targets.len() {
+        while excluded.len() < route.targets.len() {
             let candidates = route.candidates(now);
             let view = FleetView {
                 candidates: &candidates,
@@ -259,24 +283,106 @@ impl Gateway {
             ctx.target = Some(target.state.label().to_string());
             ctx.reason = decision.reason.as_str();
             ctx.score = decision.score;
+            // Whether a failure of this attempt could be followed by another: decided
+            // before it starts, so that a 502/503 answer is kept from the client only
+            // when another attempt will (most likely) replace it.
+            let blocked = self.retry_blocker(
+                ctx.attempts,
+                excluded.len() + 1,
+                route,
+                now,
+                deadline,
+                retry,
+                false,
+            );
             let attempt = Attempt::begin(route, &request.input, &view, decision, ticket);
-            let result = self.exchange(session, table, &attempt, &mut request).await;
+            let result = self
+                .exchange(session, table, &attempt, &mut request, blocked.is_none())
+                .await;
             now = attempt.settle(&result, &table.breaker);
+            // A target removed meanwhile has had its series dropped: count nothing
+            // against it (the access log still names it).
+            ctx.counted = target.state.is_retired();
+            route.metrics.attempt(match &result {
+                Ok(_) => "answered",
+                Err(ExchangeError::Retryable(_, reason)) => reason.as_str(),
+                Err(ExchangeError::Final(_)) => "failed",
+            });
             match result {
                 Ok(outcome) => {
+                    if let Some(why) = blocked.filter(|_| matches!(outcome.status, 502 | 503)) {
+                        route.metrics.retry_refused(why);
+                    }
                     ctx.status = outcome.status;
-                    ctx.counted = http::StatusCode::from_u16(outcome.status).is_ok();
+                    ctx.counted |= http::StatusCode::from_u16(outcome.status).is_ok();
                     return Ok(());
                 }
-                Err(ExchangeError::Retryable(e)) => {
-                    log::warn!("{e}; trying the next-best target");
+                Err(ExchangeError::Retryable(e, reason)) => {
                     excluded.push(decision.target);
+                    let refused = self.retry_blocker(
+                        ctx.attempts,
+                        excluded.len(),
+                        route,
+                        now,
+                        deadline,
+                        retry,
+                        true,
+                    );
+                    if let Some(why) = refused {
+                        log::warn!("{e}; not retried ({why})");
+                        route.metrics.retry_refused(why);
+                        last_error = Some(e);
+                        break;
+                    }
+                    let pause = retry::backoff(retry, ctx.retried.len() as u32 + 1);
+                    log::warn!(
+                        "{e}; retrying on the next-best target in {} ms",
+                        pause.as_millis()
+                    );
+                    route.metrics.retry(reason.as_str());
+                    ctx.retried.push(reason.as_str());
                     last_error = Some(e);
+                    if !pause.is_zero() {
+                        tokio::time::sleep(pause).await;
+                        now = Instant::now();
+                    }
                 }
                 Err(ExchangeError::Final(e)) => return Err(e),
             }
         }
         Err(last_error.unwrap_or_else(|| GatewayError::NoEligibleTarget(route.alias.clone())))
+    }
+
+    /// Why no retry may follow attempt number `attempts` once `tried` targets have been
+    /// tried, at `now` (a label for `rolter_retries_refused_total{reason}`), or `None`
+    /// when one may: then, if `withdraw`, it is taken from the budget.
+    #[allow(clippy::too_many_arguments)]
+    fn retry_blocker(
+        &self,
+        attempts: usize,
+        tried: usize,
+        route: &Route,
+        now: Instant,
+        deadline: Instant,
+        retry: &crate::config::RetryConfig,
+        withdraw: bool,
+    ) -> Option<&'static str> {
+        if attempts > retry.retries as usize {
+            return Some("attempts");
+        }
+        if tried >= route.targets.len() {
+            return Some("no_target");
+        }
+        // The back-off must end before the deadline too.
+        if now + Duration::from_millis(retry.max_backoff_ms) >= deadline {
+            return Some("deadline");
+        }
+        let budget = if withdraw {
+            self.retry_budget.try_withdraw(now, retry)
+        } else {
+            self.retry_budget.has_room(now, retry)
+        };
+        (!budget).then_some("budget")
     }
 
     /// One attempt's exchange: send the request to its target and relay the answer,
@@ -287,16 +393,24 @@ impl Gateway {
         table: &RouteTable,
         attempt: &Attempt<'_>,
         request: &mut Prepared<'_, '_>,
+        retry_on_status: bool,
     ) -> Result<upstream::ExchangeOutcome, ExchangeError> {
         let target = attempt.target;
         let model_span = &request.model_span;
         let quoted_model = target.upstream_model_json.as_bytes();
+        let auth = match (&target.authorization, &table.auth) {
+            (Some(key), _) => upstream::UpstreamAuth::Replace(key.expose()),
+            // The client's key was for rolter.
+            (None, Some(_)) => upstream::UpstreamAuth::Drop,
+            (None, None) => upstream::UpstreamAuth::Forward,
+        };
         let head = upstream::encode_head(
             session.req_header(),
             &target.host,
             &target.base_path,
             request.body.len() - model_span.len() + quoted_model.len(),
             request.client,
+            auth,
         );
         let up = Upstream {
             peer: &target.peer,
@@ -306,6 +420,7 @@ impl Gateway {
                 .as_deref(),
             label: target.state.label(),
             idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
+            retry_on_status,
         };
         let out = upstream::Outgoing {
             body: &mut *request.body,
@@ -442,10 +557,10 @@ impl ProxyHttp for Gateway {
         }
         // The request body may be unread (413, 408, ...): never reuse this connection.
         session.set_keepalive(None);
-        let extra: &[(&'static str, &str)] = if e.status() == 503 {
-            &[("retry-after", RETRY_AFTER_SECS)]
-        } else {
-            &[]
+        let extra: &[(&'static str, &str)] = match e.status() {
+            503 => &[("retry-after", RETRY_AFTER_SECS)],
+            401 => &[("www-authenticate", "Bearer")],
+            _ => &[],
         };
         if let Err(write_err) = respond(
             session,
@@ -518,7 +633,7 @@ impl ProxyHttp for Gateway {
         let ms = ctx.started.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
         log::info!(
             target: "access",
-            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} stream={} body_bytes={} error={} ms={:.2}",
+            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} retried={} stream={} body_bytes={} error={} ms={:.2}",
             req.method,
             req.uri.path(),
             ctx.status,
@@ -528,6 +643,7 @@ impl ProxyHttp for Gateway {
             if ctx.reason.is_empty() { "-" } else { ctx.reason },
             ctx.score.map_or("-".to_string(), |s| format!("{s:.3}")),
             ctx.attempts,
+            if ctx.retried.is_empty() { "-".to_string() } else { ctx.retried.join(",") },
             ctx.stream,
             ctx.body_bytes,
             ctx.error.unwrap_or("-"),

@@ -11,6 +11,7 @@ use super::admission::BodyBytes;
 use super::error::GatewayError;
 use super::framing::BodyBuf;
 use super::pool::{IdleStack, UpstreamPool};
+use super::retry::RetryReason;
 use crate::config::XForwardedFor;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
@@ -52,8 +53,10 @@ const NOT_FORWARDED_RESPONSE: &[&str] =
 /// How an exchange failed.
 #[derive(Debug)]
 pub enum ExchangeError {
-    /// Nothing reached the upstream or the client: safe to try another target.
-    Retryable(GatewayError),
+    /// Nothing reached the client and the upstream did not act on the request (it could
+    /// not be reached, reset the connection before answering, or answered 502/503): safe
+    /// to try another target.
+    Retryable(GatewayError, RetryReason),
     /// Not safe to retry (the upstream may have acted, or the client saw bytes).
     Final(GatewayError),
 }
@@ -91,6 +94,9 @@ pub struct Upstream<'a> {
     pub idle: Option<&'a IdleStack>,
     pub label: &'a str,
     pub idle_timeout: Duration,
+    /// Whether a 502 or 503 answer is kept from the client and returned as
+    /// [`ExchangeError::Retryable`] (another attempt will be made).
+    pub retry_on_status: bool,
 }
 
 /// What the upstream is told about the client: `X-Forwarded-For` per `[forwarding]`.
@@ -99,6 +105,18 @@ pub struct ClientInfo {
     pub x_forwarded_for: XForwardedFor,
     /// The client's address (none on a Unix socket).
     pub addr: Option<IpAddr>,
+}
+
+/// What the upstream gets as `Authorization`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamAuth<'a> {
+    /// The client's header, as sent (no provider key, no `[auth]`).
+    Forward,
+    /// None: the client's header carried its key for rolter (`[auth]`), not for the
+    /// upstream.
+    Drop,
+    /// This value (`Bearer <provider api_key>`) in place of the client's.
+    Replace(&'a str),
 }
 
 /// The request headers not forwarded: [`NOT_FORWARDED_REQUEST`] and the names the client's
@@ -159,11 +177,20 @@ pub fn encode_head(
     base_path: &str,
     body_len: usize,
     info: ClientInfo,
+    auth: UpstreamAuth<'_>,
 ) -> Vec<u8> {
     let path_and_query = client.uri.path_and_query().map_or("/", |pq| pq.as_str());
     // An upper bound (dropped headers included); the X-Forwarded-For line's own words and
     // an address fit in the slack.
-    let mut head_len = 128 + base_path.len() + path_and_query.len() + host.len();
+    let replacement = match auth {
+        UpstreamAuth::Replace(value) => Some(value),
+        _ => None,
+    };
+    let mut head_len = 128
+        + base_path.len()
+        + path_and_query.len()
+        + host.len()
+        + replacement.map_or(0, |v| v.len() + 17);
     let mut listed = Vec::new();
     for (name, value) in client.headers.iter() {
         head_len += name.as_str().len() + value.len() + 4;
@@ -191,6 +218,9 @@ pub fn encode_head(
         if hop.contains(name) {
             continue;
         }
+        if name == "authorization" && auth != UpstreamAuth::Forward {
+            continue;
+        }
         if rewrite_xff && name == X_FORWARDED_FOR {
             if keep_list {
                 list.push(value.as_bytes());
@@ -198,6 +228,9 @@ pub fn encode_head(
             continue;
         }
         put(&[name.as_bytes(), b": ", value.as_bytes(), b"\r\n"]);
+    }
+    if let Some(value) = replacement {
+        put(&[b"authorization: ", value.as_bytes(), b"\r\n"]);
     }
     if rewrite_xff && (!list.is_empty() || info.addr.is_some()) {
         put(&[X_FORWARDED_FOR.as_bytes(), b": "]);
@@ -270,15 +303,26 @@ pub async fn send(
         unless_client_gone(session, send_and_read_head(pool, up, request, started)).await
     };
     let (http, reused) = sent.map_err(ExchangeError::Final)??;
-    out.body.release();
-    out.charge.release();
-    crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
-    let ttfb = started.elapsed();
     let status = http
         .resp_header()
         .expect("response header was just read")
         .status
         .as_u16();
+    if let Some(reason) = RetryReason::for_status(status).filter(|_| up.retry_on_status) {
+        // Kept from the client: the body stays for the next attempt, and this connection
+        // (its unread answer body with it) is closed rather than pooled.
+        return Err(ExchangeError::Retryable(
+            GatewayError::UpstreamStatus {
+                target: up.label.to_string(),
+                status,
+            },
+            reason,
+        ));
+    }
+    out.body.release();
+    out.charge.release();
+    crate::metrics::UPSTREAM_CONNECTIONS[usize::from(reused)].inc();
+    let ttfb = started.elapsed();
     Ok(Answer {
         http,
         reused,
@@ -420,28 +464,49 @@ async fn send_and_read_head(
         let (stream, reused) = pool
             .get(up.peer, idle, up.idle_timeout, started)
             .await
-            .map_err(|e| ExchangeError::Retryable(connect_error(up.label, &e)))?;
+            .map_err(|e| {
+                ExchangeError::Retryable(connect_error(up.label, &e), RetryReason::Connect)
+            })?;
         let mut s = match send_request(stream, up.peer, request).await {
             Ok(s) => s,
             Err(e) if reused => {
                 log::debug!("stale pooled connection to {}: {e}", up.label);
                 continue;
             }
-            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
+            Err(e) => return Err(before_head(up.label, &e)),
         };
         match read_response_head(&mut s).await {
             Ok(()) => return Ok((s, reused)),
             Err(e) if reused && matches!(e.retry, RetryType::ReusedOnly) => {
                 log::debug!("pooled connection to {} closed unanswered: {e}", up.label);
             }
-            Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
+            Err(e) => return Err(before_head(up.label, &e)),
         }
     }
     // Unreachable while the second try is on a new connection; nothing was processed.
-    Err(ExchangeError::Retryable(GatewayError::UpstreamBroken {
-        target: up.label.to_string(),
-        reason: "pooled connections kept failing".into(),
-    }))
+    Err(ExchangeError::Retryable(
+        GatewayError::UpstreamBroken {
+            target: up.label.to_string(),
+            reason: "pooled connections kept failing".into(),
+        },
+        RetryReason::Reset,
+    ))
+}
+
+/// A failure on a fresh connection before the response head arrived. A connection the
+/// upstream closed or reset before answering (a replica shutting down, a proxy in front
+/// of one whose backend is gone) is retryable: no answer was started, so nothing reached
+/// the client, and an inference request that produced no answer has no effect to repeat.
+/// A timeout is not: the upstream may still be working on it (and retrying a slow
+/// request multiplies the load that made it slow). Neither is a malformed answer.
+fn before_head(label: &str, e: &Error) -> ExchangeError {
+    let gateway_error = upstream_error(label, e);
+    match e.etype() {
+        ErrorType::ConnectionClosed | ErrorType::ReadError | ErrorType::WriteError => {
+            ExchangeError::Retryable(gateway_error, RetryReason::Reset)
+        }
+        _ => ExchangeError::Final(gateway_error),
+    }
 }
 
 /// Most informational (1xx) responses accepted ahead of the final one. vLLM sends none; a

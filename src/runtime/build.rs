@@ -4,9 +4,12 @@
 //!
 //! Owns the load-time work. Must not: be called on the request path (it resolves names).
 
+use super::auth::{self, ClientAuth};
+use super::discovery::{self, DiscoveredProvider, DnsBoard};
 use super::table::{KvEntry, KvSpec, Route, RouteTable, RouteTarget};
 use super::LoadError;
-use crate::config::{self, Config, LmcacheConfig};
+use crate::config::Secret;
+use crate::config::{self, Config, Discovery, KvEventsConfig, LmcacheConfig, ProviderConfig};
 use crate::config::{RouteConfig, StrategyKind};
 use crate::egress::{self, EgressPolicy, OutboundError, Resolver, SystemResolver};
 use crate::fleet::lmcache::{LmcacheBoard, LmcacheEndpoint};
@@ -16,7 +19,7 @@ use crate::routing::{self, SessionTable, Strategy};
 use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +31,8 @@ pub struct LoadContext {
     pub resolver: Arc<dyn Resolver>,
     /// LMCache status cells, kept across reloads.
     pub lmcache: LmcacheBoard,
+    /// The last good address set of every `discovery = "dns"` provider.
+    pub dns: DnsBoard,
 }
 
 impl Default for LoadContext {
@@ -36,8 +41,30 @@ impl Default for LoadContext {
         LoadContext {
             resolver: Arc::new(SystemResolver),
             lmcache: LmcacheBoard::default(),
+            dns: DnsBoard::default(),
         }
     }
+}
+
+/// Where a build takes the addresses of `discovery = "dns"` providers from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DnsSource {
+    /// Resolve every name now (a load or reload); a name that does not resolve keeps its
+    /// last good set from the [`DnsBoard`] (none yet: no targets until it resolves).
+    Resolve,
+    /// The board as it stands (a rebuild after the discovery service updated it).
+    Board,
+}
+
+/// One upstream address a provider stands for: the provider itself (static), or one
+/// address its name resolved to (`discovery = "dns"`), with everything that is per
+/// address.
+struct Instance {
+    /// The provider's name, or `name@address` for a discovered address: the identity of
+    /// its targets, health, KV-event state and metric labels.
+    name: String,
+    addr: SocketAddr,
+    kv_spec: Option<KvSpec>,
 }
 
 impl RouteTable {
@@ -53,14 +80,53 @@ impl RouteTable {
         registry: &Registry,
         ctx: &LoadContext,
     ) -> Result<Self, LoadError> {
+        Self::build_from(config, origin, registry, ctx, DnsSource::Resolve)
+    }
+
+    /// [`build_with`](Self::build_with), taking discovered addresses from `dns`.
+    pub(super) fn build_from(
+        config: &Config,
+        origin: &str,
+        registry: &Registry,
+        ctx: &LoadContext,
+        dns: DnsSource,
+    ) -> Result<Self, LoadError> {
         let limits = config.limits.clone();
         // The config was validated: every `[egress]` entry compiles.
         let egress = Arc::new(EgressPolicy::compile(&config.egress).0);
         // Phase 1: everything that can fail (resolution, egress checks of resolved
-        // addresses), touching no state that outlives this call, so a rejected reload
-        // leaves the registry and the status board exactly as they were.
+        // addresses, secrets from the environment and key files), touching no state that
+        // outlives this call, so a rejected reload leaves the registry and the boards
+        // exactly as they were.
+        let auth = config
+            .auth
+            .as_ref()
+            .map(|a| ClientAuth::load(a, origin))
+            .transpose()?;
         let mut resolved = Vec::with_capacity(config.providers.len());
+        let mut discovered = Vec::new();
         for (index, p) in config.providers.iter().enumerate() {
+            let authorization = upstream_authorization(p, origin, index)?;
+            if p.discovery == Discovery::Dns {
+                let (upstream, addrs) = discover_provider(p, origin, index, ctx, &egress, dns)?;
+                let instances = addrs
+                    .iter()
+                    .map(|&ip| Instance {
+                        name: format!("{}@{ip}", p.name),
+                        addr: SocketAddr::new(ip, upstream.addr.port()),
+                        kv_spec: p.kv_events.as_ref().map(|k| templated_kv_spec(k, ip)),
+                    })
+                    .collect();
+                discovered.push(DiscoveredProvider {
+                    name: p.name.clone(),
+                    host: upstream.name.clone(),
+                    port: upstream.addr.port(),
+                    refresh: Duration::from_secs(p.refresh_s),
+                    addrs,
+                });
+                resolved.push((upstream, instances, authorization));
+                continue;
+            }
             let upstream = resolve_provider(&p.api_base, origin, index, &p.name, ctx, &egress)?;
             if let Some(l) = &p.lmcache {
                 check_lmcache(&p.name, l, origin, index, ctx, &egress)?;
@@ -90,7 +156,12 @@ impl RouteTable {
                     })
                 }
             };
-            resolved.push((upstream, kv_spec));
+            let instance = Instance {
+                name: p.name.clone(),
+                addr: upstream.addr,
+                kv_spec,
+            };
+            resolved.push((upstream, vec![instance], authorization));
         }
         // Tokenizers load here too (a broken directory rejects the file; a relative path
         // is relative to the routing file, which `-d` does not move).
@@ -111,21 +182,36 @@ impl RouteTable {
             tokenizers.push(tok);
         }
         // Phase 2: bind to the long-lived state (cannot fail).
-        let mut providers = HashMap::new();
+        for d in &discovered {
+            ctx.dns.put(&d.name, &d.host, d.port, &d.addrs);
+            crate::metrics::METRICS
+                .discovered_addresses
+                .with_label_values(&[&d.name])
+                .set(d.addrs.len() as i64);
+        }
+        let mut providers: HashMap<&str, ProviderTargets> = HashMap::new();
         let mut entries = Vec::new();
         let mut lmcache = HashMap::new();
         let mut kv: Vec<KvEntry> = Vec::new();
-        for (p, (upstream, kv_spec)) in config.providers.iter().zip(resolved) {
-            let state = registry.provider_health(&p.name);
-            state.set_enabled(p.health.enabled);
-            entries.push(ProviderEntry {
-                name: p.name.clone(),
-                addr: upstream.addr,
-                host: upstream.host.clone(),
-                health: p.health.clone(),
-                state,
-            });
-            providers.insert(p.name.as_str(), upstream);
+        for (p, (upstream, instances, authorization)) in config.providers.iter().zip(resolved) {
+            for inst in &instances {
+                let state = registry.provider_health(&inst.name);
+                state.set_enabled(p.health.enabled);
+                entries.push(ProviderEntry {
+                    name: inst.name.clone(),
+                    addr: inst.addr,
+                    host: upstream.host.clone(),
+                    health: p.health.clone(),
+                    state,
+                });
+                if let (Some(k), Some(spec)) = (&p.kv_events, &inst.kv_spec) {
+                    kv.push(KvEntry {
+                        provider: inst.name.clone(),
+                        spec: spec.clone(),
+                        state: registry.kv_state(&inst.name, k.max_blocks),
+                    });
+                }
+            }
             if let Some(l) = &p.lmcache {
                 let status = ctx.lmcache.get_or_create(
                     &p.name,
@@ -136,13 +222,14 @@ impl RouteTable {
                     LmcacheEndpoint::new(&p.name, l, status).expect("validated lmcache.endpoint");
                 lmcache.insert(p.name.as_str(), Arc::new(ep));
             }
-            if let (Some(k), Some(spec)) = (&p.kv_events, kv_spec) {
-                kv.push(KvEntry {
-                    provider: p.name.clone(),
-                    spec,
-                    state: registry.kv_state(&p.name, k.max_blocks),
-                });
-            }
+            providers.insert(
+                p.name.as_str(),
+                ProviderTargets {
+                    upstream,
+                    instances,
+                    authorization,
+                },
+            );
         }
         let mut routes = HashMap::new();
         for (r, tokenizer) in config.routes.iter().zip(tokenizers) {
@@ -152,22 +239,21 @@ impl RouteTable {
                 read_ms: ms(r.timeouts.read_timeout_ms, limits.read_timeout_ms),
             };
             let total_ms = ms(r.timeouts.total_timeout_ms, limits.total_timeout_ms);
-            let targets: Vec<RouteTarget> = r
-                .targets
-                .iter()
-                .map(|t| {
-                    let up = &providers[t.provider.as_str()];
+            let mut targets: Vec<RouteTarget> = Vec::with_capacity(r.targets.len());
+            for t in &r.targets {
+                let provider = &providers[t.provider.as_str()];
+                // A target shared by routes with different caps takes the last one.
+                let kv_cache_tokens = config
+                    .providers
+                    .iter()
+                    .find(|p| p.name == t.provider)
+                    .and_then(|p| p.kv_cache_tokens);
+                for inst in &provider.instances {
                     let key = TargetKey {
-                        provider: t.provider.clone(),
+                        provider: inst.name.clone(),
                         model: t.model.clone(),
                     };
                     let state = registry.get_or_create(&key);
-                    // A target shared by routes with different caps takes the last one.
-                    let kv_cache_tokens = config
-                        .providers
-                        .iter()
-                        .find(|p| p.name == t.provider)
-                        .and_then(|p| p.kv_cache_tokens);
                     state
                         .trie
                         .set_max_nodes(routing::cache_aware::trie_nodes_for_kv_cache(
@@ -175,22 +261,24 @@ impl RouteTable {
                             r.prompt_bytes_per_token,
                             r.trie_max_nodes,
                         ));
-                    RouteTarget {
+                    let up = &provider.upstream;
+                    targets.push(RouteTarget {
                         state,
-                        peer: make_peer(up.addr, &timeouts),
+                        peer: make_peer(inst.addr, &timeouts),
                         idle: Default::default(),
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
                         upstream_model_json: crate::prompt::quote_model(&t.model),
                         weight: t.weight,
+                        authorization: provider.authorization.clone(),
                         lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
                         kv: kv
                             .iter()
-                            .find(|e| e.provider == t.provider)
+                            .find(|e| e.provider == inst.name)
                             .map(|e| e.state.clone()),
-                    }
-                })
-                .collect();
+                    });
+                }
+            }
             let strategy = strategy_for(
                 r,
                 registry.session_table(&r.model, r.session_ttl_s, r.session_cap),
@@ -226,16 +314,131 @@ impl RouteTable {
             limits,
             breaker: config.breaker.clone(),
             forwarding: config.forwarding.clone(),
+            retry: config.retry.clone(),
+            auth,
             models_json,
             egress,
             lmcache,
             kv,
+            discovered,
         })
     }
 }
 
+/// A provider's targets-to-be: its `api_base`, its addresses and its upstream key.
+struct ProviderTargets {
+    upstream: ResolvedProvider,
+    instances: Vec<Instance>,
+    authorization: Option<Secret>,
+}
+
+/// The `Authorization` value sent to provider `p` (`Bearer <key>`), if it has a key.
+fn upstream_authorization(
+    p: &ProviderConfig,
+    origin: &str,
+    index: usize,
+) -> Result<Option<Secret>, LoadError> {
+    let key = match (&p.api_key, &p.api_key_env) {
+        (Some(key), _) => key.clone(),
+        (None, Some(var)) => {
+            let key_name = format!("providers[{index}].api_key_env");
+            let fail = |reason: String| LoadError::Secret {
+                path: origin.to_string(),
+                key: key_name.clone(),
+                reason,
+            };
+            let key = auth::read_env_secret(var).map_err(fail)?;
+            config::check_api_key(key.expose())
+                .map_err(|why| fail(format!("the value of {var} {why}")))?;
+            key
+        }
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(Secret::new(format!("Bearer {}", key.expose()))))
+}
+
+/// The KV-event stream of discovered address `ip`: the endpoint templates with `{ip}`
+/// replaced (the address already passed the egress policy with the provider's name).
+fn templated_kv_spec(k: &KvEventsConfig, ip: IpAddr) -> KvSpec {
+    let text = match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("[{v6}]"),
+    };
+    let fill = |t: &str| t.replace(config::IP_PLACEHOLDER, &text);
+    KvSpec {
+        endpoint: fill(&k.endpoint),
+        bind: false,
+        topic: k.topic.clone(),
+        replay_endpoint: k.replay_endpoint.as_deref().map(fill),
+        staleness_ms: k.staleness_ms,
+        max_message_bytes: k.max_message_bytes,
+    }
+}
+
+/// The addresses of a `discovery = "dns"` provider for this build (see [`DnsSource`]),
+/// with its `api_base` parts. A denied name fails the load; so does a name whose every
+/// address is denied. A name that does not resolve keeps its last good set.
+fn discover_provider(
+    p: &ProviderConfig,
+    origin: &str,
+    index: usize,
+    ctx: &LoadContext,
+    policy: &EgressPolicy,
+    source: DnsSource,
+) -> Result<(ResolvedProvider, Vec<IpAddr>), LoadError> {
+    let uri: http::Uri = p.api_base.parse().expect("validated api_base");
+    let authority = uri.authority().expect("validated api_base");
+    let port = authority.port_u16().unwrap_or(80);
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let upstream = ResolvedProvider {
+        // The port is what matters here; each instance has its own address.
+        addr: SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), port),
+        name: host.clone(),
+        host: authority.to_string(),
+        base_path: uri.path().trim_end_matches('/').to_string(),
+    };
+    let last_good = || ctx.dns.get(&p.name, &host, port).unwrap_or_default();
+    let addrs = match source {
+        DnsSource::Board => last_good(),
+        DnsSource::Resolve => {
+            match discovery::resolve(ctx.resolver.as_ref(), policy, &host, port) {
+                Ok(addrs) => addrs,
+                Err(OutboundError::Egress(error)) => {
+                    return Err(LoadError::Egress {
+                        path: origin.to_string(),
+                        index,
+                        provider: p.name.clone(),
+                        key: "api_base",
+                        error,
+                    })
+                }
+                Err(OutboundError::Resolve { reason, .. }) => {
+                    let kept = last_good();
+                    crate::metrics::METRICS
+                        .discovery
+                        .with_label_values(&[&p.name, "failed"])
+                        .inc();
+                    log::warn!(
+                        "{origin}: providers[{index}].api_base: cannot resolve \"{authority}\": {reason}; keeping the last {} address(es)",
+                        kept.len()
+                    );
+                    kept
+                }
+            }
+        }
+    };
+    Ok((upstream, addrs))
+}
+
 struct ResolvedProvider {
     addr: SocketAddr,
+    /// The host name (or literal address) of `api_base`.
+    name: String,
+    /// `Host` header value (`api_base`'s authority).
     host: String,
     base_path: String,
 }
@@ -265,6 +468,7 @@ fn resolve_provider(
     let addr = SocketAddr::new(addrs[0], port);
     Ok(ResolvedProvider {
         addr,
+        name: host.to_string(),
         host: authority.to_string(),
         base_path: uri.path().trim_end_matches('/').to_string(),
     })

@@ -7,13 +7,16 @@
 //! the SIGHUP service is [`reload`].
 //! Must not: parse TOML (that is `config`) or decide routes (that is `routing`).
 
+pub mod auth;
 pub mod build;
+pub mod discovery;
 pub mod reload;
 pub mod table;
 #[cfg(test)]
 mod tests;
 
 pub use build::LoadContext;
+pub use discovery::DiscoveryService;
 pub use reload::ReloadOnSighup;
 pub use table::{KvEntry, KvSpec, Route, RouteTable, RouteTarget};
 
@@ -47,6 +50,13 @@ pub enum LoadError {
         index: usize,
         error: crate::tokenize::LoadError,
     },
+    /// A key (`api_key_env`, `[auth]`) could not be read; never carries the value.
+    #[error("{path}: {key}: {reason}")]
+    Secret {
+        path: String,
+        key: String,
+        reason: String,
+    },
     #[error("{path}: providers[{index}].{key}: provider \"{provider}\": {error}")]
     Egress {
         path: String,
@@ -63,6 +73,10 @@ pub struct Runtime {
     registry: Registry,
     pub(crate) routes_path: PathBuf,
     ctx: LoadContext,
+    /// The config the live table was built from (a discovery rebuild builds it again),
+    /// locked for a whole build and swap so reloads and rebuilds follow one another.
+    /// Never taken on the request path.
+    config: parking_lot::Mutex<config::Config>,
 }
 
 impl Runtime {
@@ -74,12 +88,13 @@ impl Runtime {
     /// [`load`](Self::load) with a given resolver (tests) and status board.
     pub fn load_with(path: &Path, ctx: LoadContext) -> Result<Self, LoadError> {
         let registry = Registry::default();
-        let table = Self::read_table(path, &registry, &ctx)?;
+        let (config, table) = Self::read_table(path, &registry, &ctx)?;
         Ok(Runtime {
             table: ArcSwap::from_pointee(table),
             registry,
             routes_path: path.to_path_buf(),
             ctx,
+            config: parking_lot::Mutex::new(config),
         })
     }
 
@@ -87,9 +102,10 @@ impl Runtime {
         path: &Path,
         registry: &Registry,
         ctx: &LoadContext,
-    ) -> Result<RouteTable, LoadError> {
+    ) -> Result<(config::Config, RouteTable), LoadError> {
         let config = config::load_file(path)?;
-        RouteTable::build_with(&config, &path.display().to_string(), registry, ctx)
+        let table = RouteTable::build_with(&config, &path.display().to_string(), registry, ctx)?;
+        Ok((config, table))
     }
 
     /// The resolver every configured name goes through.
@@ -110,8 +126,9 @@ impl Runtime {
     /// Re-read the routing file; swap it in if valid, keep the old table if not.
     /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
     pub fn reload(&self) -> Result<(), LoadError> {
-        let table = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
-            Ok(table) => table,
+        let mut live = self.config.lock();
+        let (config, table) = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
+            Ok(built) => built,
             Err(e) => {
                 METRICS.reloads.with_label_values(&["failed"]).inc();
                 log::error!(
@@ -121,11 +138,73 @@ impl Runtime {
                 return Err(e);
             }
         };
+        *live = config;
+        let (routes, targets, added, removed) = self.install(table);
+        drop(live);
+        METRICS.reloads.with_label_values(&["ok"]).inc();
+        log::info!(
+            "reloaded routes from {}: {routes} routes, {targets} targets ({added} added, {removed} removed)",
+            self.routes_path.display(),
+        );
+        Ok(())
+    }
+
+    /// DNS discovery found `addrs` for provider `name` (resolving `host`, port `port`):
+    /// rebuild the live config with them and swap the table in, as a reload does.
+    /// Returns false (nothing done) if a reload changed the provider meanwhile.
+    pub fn apply_discovered(
+        &self,
+        name: &str,
+        host: &str,
+        port: u16,
+        addrs: &[std::net::IpAddr],
+    ) -> Result<bool, LoadError> {
+        let live = self.config.lock();
+        let current = self.table();
+        if !current
+            .discovered()
+            .iter()
+            .any(|d| d.name == name && d.host == host && d.port == port)
+        {
+            return Ok(false);
+        }
+        let before = self.ctx.dns.get(name, host, port);
+        self.ctx.dns.put(name, host, port, addrs);
+        let origin = self.routes_path.display().to_string();
+        let table = match RouteTable::build_from(
+            &live,
+            &origin,
+            &self.registry,
+            &self.ctx,
+            build::DnsSource::Board,
+        ) {
+            Ok(table) => table,
+            Err(e) => {
+                if let Some(before) = before {
+                    self.ctx.dns.put(name, host, port, &before);
+                }
+                return Err(e);
+            }
+        };
+        drop(current);
+        let (_, targets, added, removed) = self.install(table);
+        drop(live);
+        log::info!(
+            "discovery: provider {name} ({host}) now has {} address(es): {targets} targets ({added} added, {removed} removed)",
+            addrs.len()
+        );
+        Ok(true)
+    }
+
+    /// Swap `table` in and drop the state and metric series of what it no longer has.
+    /// Returns (routes, targets, targets added, targets removed).
+    fn install(&self, table: RouteTable) -> (usize, usize, usize, usize) {
         let keep = table.target_keys();
         let providers: HashSet<String> = table.providers.iter().map(|p| p.name.clone()).collect();
         let aliases: HashSet<String> = table.routes.keys().cloned().collect();
         let keep_lmcache = table.lmcache.iter().map(|e| e.key()).collect();
         let keep_kv: HashSet<String> = table.kv.iter().map(|e| e.provider.clone()).collect();
+        let keep_dns: HashSet<String> = table.discovered.iter().map(|d| d.name.clone()).collect();
         let unprobed: Vec<String> = (table.providers.iter())
             .filter(|p| !p.health.enabled)
             .map(|p| p.name.clone())
@@ -141,6 +220,9 @@ impl Runtime {
         self.registry.retain_sessions(&aliases);
         self.ctx.lmcache.retain(&keep_lmcache);
         self.registry.retain_kv(&keep_kv);
+        self.ctx
+            .dns
+            .retain(&keep_dns.iter().map(String::as_str).collect());
         // Drop the series of what is gone, so no gauge reports a removed target and a
         // re-added one starts from zero (its state starts afresh too).
         let old_keys = old.target_keys();
@@ -155,9 +237,16 @@ impl Runtime {
         {
             crate::metrics::forget_provider(&p.name);
         }
+        for d in old
+            .discovered
+            .iter()
+            .filter(|d| !keep_dns.contains(&d.name))
+        {
+            crate::metrics::forget_discovery(&d.name);
+        }
         // Nothing probes a provider whose checks are off: no health gauge, as at start.
         for name in &unprobed {
-            crate::metrics::forget_provider(name);
+            crate::metrics::forget_health_gauge(name);
         }
         for e in old.kv.iter().filter(|e| !keep_kv.contains(&e.provider)) {
             crate::metrics::forget_kv_stream(&e.provider);
@@ -166,15 +255,8 @@ impl Runtime {
             crate::metrics::forget_route(alias);
         }
         drop(exporting);
-        METRICS.reloads.with_label_values(&["ok"]).inc();
-        log::info!(
-            "reloaded routes from {}: {routes} routes, {} targets ({} added, {} removed)",
-            self.routes_path.display(),
-            keep.len(),
-            keep.difference(&old_keys).count(),
-            removed.len(),
-        );
-        Ok(())
+        let added = keep.difference(&old_keys).count();
+        (routes, keep.len(), added, removed.len())
     }
 }
 

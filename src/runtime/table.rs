@@ -34,6 +34,9 @@ pub struct RouteTarget {
     pub upstream_model_json: String,
     /// Configured weight.
     pub weight: u32,
+    /// `Bearer <key>` sent as `Authorization` to this target's provider, in place of
+    /// the client's, if the provider has `api_key` / `api_key_env`.
+    pub authorization: Option<crate::config::Secret>,
     /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
     pub lmcache: Option<Arc<LmcacheStatus>>,
     /// The provider's KV-event state, if it has `[providers.kv_events]`.
@@ -122,10 +125,16 @@ pub struct RouteTable {
     pub breaker: BreakerConfig,
     /// Headers added to forwarded requests.
     pub forwarding: crate::config::ForwardingConfig,
+    /// Retries and their budget.
+    pub retry: crate::config::RetryConfig,
+    /// Client keys, when `[auth]` is on.
+    pub auth: Option<super::auth::ClientAuth>,
     pub(super) models_json: Bytes,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
     pub(super) kv: Vec<KvEntry>,
+    /// The `discovery = "dns"` providers and the addresses this table was built with.
+    pub(super) discovered: Vec<super::discovery::DiscoveredProvider>,
 }
 
 impl RouteTable {
@@ -137,6 +146,11 @@ impl RouteTable {
     /// The `GET /v1/models` response body.
     pub fn models_json(&self) -> Bytes {
         self.models_json.clone()
+    }
+
+    /// The `discovery = "dns"` providers of this generation, with their addresses.
+    pub fn discovered(&self) -> &[super::discovery::DiscoveredProvider] {
+        &self.discovered
     }
 
     /// Every `[providers.kv_events]` stream of this generation.

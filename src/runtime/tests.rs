@@ -191,3 +191,171 @@ fn a_reload_applies_a_new_kv_events_max_blocks_to_the_kept_index() {
     assert_eq!(index.max_entries(), 5);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `discovery = "dns"` provider named `name` on `fleet.test:8000` (health checks off),
+/// with KV-event endpoints `kv` (a template unless `{ip}` is left out), and a
+/// round-robin route over it.
+fn dns_routes(name: &str, kv: &str) -> String {
+    format!(
+        r#"[[providers]]
+name = "{name}"
+kind = "openai_compatible"
+api_base = "http://fleet.test:8000"
+discovery = "dns"
+refresh_s = 5
+[providers.health]
+enabled = false
+[providers.kv_events]
+endpoint = "{kv}"
+replay_endpoint = "tcp://{{ip}}:5558"
+[[routes]]
+model = "alias"
+strategy = "round_robin"
+[[routes.targets]]
+provider = "{name}"
+model = "m"
+"#
+    )
+}
+
+fn ip(s: &str) -> std::net::IpAddr {
+    s.parse().unwrap()
+}
+
+/// The `{ip}` template is the only way a DNS provider names its KV-event endpoints, and
+/// is for DNS providers only.
+#[test]
+fn kv_event_endpoint_templates_go_with_dns_discovery_only() {
+    let err = config::parse(&dns_routes("t", "tcp://127.0.0.1:5557"), "r.toml")
+        .expect_err("a fixed endpoint under dns");
+    assert!(err.to_string().contains("use tcp://{ip}:port"), "{err}");
+    let fixed =
+        routes(&["a"], "round_robin", None).replace("tcp://127.0.0.1:5557", "tcp://{ip}:5557");
+    let err = config::parse(&fixed, "r.toml").expect_err("a template without dns");
+    assert!(err.to_string().contains("only for discovery"), "{err}");
+    let err = config::parse(&dns_routes("t", "tcp://x{ip}:5557"), "r.toml")
+        .expect_err("{ip} not the whole host");
+    assert!(
+        err.to_string().contains("expected tcp://{ip}:port"),
+        "{err}"
+    );
+    assert!(config::parse(&dns_routes("t", "tcp://{ip}:5557"), "r.toml").is_ok());
+}
+
+/// Every allowed address is a target of its own with its own KV-event stream; an address
+/// the egress policy denies is left out; a name that stops resolving keeps its last good
+/// set on a reload and the failure is counted.
+#[test]
+fn a_dns_provider_has_one_target_and_kv_stream_per_allowed_address() {
+    let resolver = Arc::new(StaticResolver::default());
+    resolver.set(
+        "fleet.test",
+        &[ip("127.0.0.2"), ip("169.254.169.254"), ip("127.0.0.1")],
+    );
+    let ctx = LoadContext {
+        resolver: resolver.clone(),
+        ..Default::default()
+    };
+    let (dir, path) = routes_file("dns-build", &dns_routes("dnsb", "tcp://{ip}:5557"));
+    let rt = Runtime::load_with(&path, ctx).unwrap();
+    let table = rt.table();
+    let d = &table.discovered()[0];
+    assert_eq!(
+        (d.name.as_str(), d.host.as_str(), d.port),
+        ("dnsb", "fleet.test", 8000)
+    );
+    assert_eq!(d.addrs, vec![ip("127.0.0.1"), ip("127.0.0.2")]);
+    assert_eq!(d.refresh, Duration::from_secs(5));
+    let mut keys: Vec<String> = table.target_keys().iter().map(|k| k.label()).collect();
+    keys.sort();
+    assert_eq!(keys, ["dnsb@127.0.0.1/m", "dnsb@127.0.0.2/m"]);
+    let route = table.route("alias").unwrap();
+    for t in &route.targets {
+        assert_eq!(t.host, "fleet.test:8000", "requests keep the name as Host");
+    }
+    let mut streams: Vec<(String, String, Option<String>)> = table
+        .kv_streams()
+        .iter()
+        .map(|e| {
+            (
+                e.provider.clone(),
+                e.spec.endpoint.clone(),
+                e.spec.replay_endpoint.clone(),
+            )
+        })
+        .collect();
+    streams.sort();
+    assert_eq!(
+        streams,
+        [1, 2].map(|i| (
+            format!("dnsb@127.0.0.{i}"),
+            format!("tcp://127.0.0.{i}:5557"),
+            Some(format!("tcp://127.0.0.{i}:5558"))
+        ))
+    );
+
+    // The name stops resolving: a reload keeps the last good set, and counts the failure.
+    let failed = || {
+        METRICS
+            .discovery
+            .with_label_values(&["dnsb", "failed"])
+            .get()
+    };
+    let before = failed();
+    resolver.set("fleet.test", &[]);
+    rt.reload().unwrap();
+    assert_eq!(rt.table().discovered()[0].addrs, d.addrs);
+    assert_eq!(rt.table().target_keys(), table.target_keys());
+    assert_eq!(failed(), before + 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A target discovery removes is retired and loses all its series, counters included;
+/// the one that stays keeps its state.
+#[test]
+fn an_address_discovery_drops_loses_its_state_and_every_series() {
+    let resolver = Arc::new(StaticResolver::default());
+    resolver.set("fleet.test", &[ip("127.0.0.1"), ip("127.0.0.2")]);
+    let ctx = LoadContext {
+        resolver,
+        ..Default::default()
+    };
+    let (dir, path) = routes_file("dns-drop", &dns_routes("dnsd", "tcp://{ip}:5557"));
+    let rt = Runtime::load_with(&path, ctx).unwrap();
+    let state = |addr: &str| rt.registry().get_or_create(&key(&format!("dnsd@{addr}")));
+    let (stays, goes) = (state("127.0.0.1"), state("127.0.0.2"));
+    let gone = "dnsd@127.0.0.2";
+    METRICS
+        .requests
+        .with_label_values(&["alias", &format!("{gone}/m"), "200"])
+        .inc();
+    METRICS
+        .breaker_events
+        .with_label_values(&[&format!("{gone}/m"), "cooldown"])
+        .inc();
+    METRICS.health_checks.with_label_values(&[gone, "ok"]).inc();
+    assert!(String::from_utf8(crate::metrics::render())
+        .unwrap()
+        .contains(gone));
+
+    assert!(rt
+        .apply_discovered("dnsd", "fleet.test", 8000, &[ip("127.0.0.1")])
+        .unwrap());
+    assert!(goes.is_retired() && !stays.is_retired());
+    assert!(
+        Arc::ptr_eq(&stays, &state("127.0.0.1")),
+        "the kept target keeps its state"
+    );
+    assert_eq!(rt.table().discovered()[0].addrs, vec![ip("127.0.0.1")]);
+    let text = String::from_utf8(crate::metrics::render()).unwrap();
+    assert!(!text.contains(gone), "{text}");
+    assert!(
+        text.contains("rolter_discovered_addresses{provider=\"dnsd\"} 1"),
+        "{text}"
+    );
+    // Another port or host than the table's: nothing done (a reload changed it).
+    assert!(!rt
+        .apply_discovered("dnsd", "other.test", 8000, &[ip("127.0.0.3")])
+        .unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -25,7 +25,14 @@ fn encoded_request_is_one_well_formed_message() {
         x_forwarded_for: XForwardedFor::Off,
         addr: None,
     };
-    let head = encode_head(&client, "10.0.0.7:8000", "/base", len, info);
+    let head = encode_head(
+        &client,
+        "10.0.0.7:8000",
+        "/base",
+        len,
+        info,
+        UpstreamAuth::Forward,
+    );
     let mut buf = super::super::framing::BodyBuf::with_capacity(body.len());
     buf.extend(body);
     let out = buf.frame(&head, span, quoted.as_bytes()).unwrap().to_vec();
@@ -95,7 +102,14 @@ fn headers_the_connection_header_names_are_not_forwarded() {
         ("x-kept", "k"),
         ("authorization", "Bearer k"),
     ]);
-    let lines = header_lines(&encode_head(&client, "u:1", "", 0, off()));
+    let lines = header_lines(&encode_head(
+        &client,
+        "u:1",
+        "",
+        0,
+        off(),
+        UpstreamAuth::Forward,
+    ));
     let names: Vec<&str> = lines.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(names, ["x-kept", "authorization", "host", "content-length"]);
 }
@@ -115,7 +129,14 @@ fn x_forwarded_for_appends_replaces_or_passes_the_clients_list() {
             x_forwarded_for: mode,
             addr,
         };
-        let lines = header_lines(&encode_head(client, "u:1", "", 0, info));
+        let lines = header_lines(&encode_head(
+            client,
+            "u:1",
+            "",
+            0,
+            info,
+            UpstreamAuth::Forward,
+        ));
         let values: Vec<String> = lines
             .iter()
             .filter(|(k, _)| k == "x-forwarded-for")
@@ -206,4 +227,40 @@ fn downstream_response_drops_hop_by_hop_headers_and_frames_the_body() {
         let h = downstream_response(&ResponseHeader::build(status, None).unwrap()).unwrap();
         assert!(h.headers.get("transfer-encoding").is_none(), "{status}");
     }
+}
+
+#[test]
+fn the_upstream_gets_its_own_key_or_none_never_the_clients() {
+    let mut client = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
+    client
+        .append_header("authorization", "Bearer client-key")
+        .unwrap();
+    client
+        .append_header("Authorization", "Bearer second")
+        .unwrap();
+    client.append_header("x-other", "1").unwrap();
+    let info = ClientInfo {
+        x_forwarded_for: XForwardedFor::Off,
+        addr: None,
+    };
+    let text = |auth| String::from_utf8(encode_head(&client, "u:1", "", 0, info, auth)).unwrap();
+    let replaced = text(UpstreamAuth::Replace("Bearer upstream-key"));
+    assert!(
+        !replaced.contains("client-key") && !replaced.contains("second"),
+        "{replaced}"
+    );
+    assert_eq!(
+        replaced
+            .matches("authorization: Bearer upstream-key\r\n")
+            .count(),
+        1
+    );
+    assert!(replaced.contains("x-other: 1\r\n"));
+    let dropped = text(UpstreamAuth::Drop);
+    assert!(
+        !dropped.to_ascii_lowercase().contains("authorization"),
+        "{dropped}"
+    );
+    let forwarded = text(UpstreamAuth::Forward);
+    assert!(forwarded.contains("Bearer client-key") && forwarded.contains("Bearer second"));
 }
