@@ -16,6 +16,10 @@ use std::sync::{LazyLock, OnceLock};
 pub struct Metrics {
     /// Requests answered, by route alias, target and HTTP status.
     pub requests: IntCounterVec,
+    /// Requests by API endpoint (`prompt::Endpoint::label`, or a local one) and status.
+    pub endpoint_requests: IntCounterVec,
+    /// Responses API ids remembered (refreshed at scrape time).
+    pub response_ids: IntGauge,
     /// Requests rejected or failed before/while proxying, by kind.
     pub errors: IntCounterVec,
     /// Requests in flight per target.
@@ -141,6 +145,17 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
         &["route", "target", "status"]
     )
     .expect("register rolter_requests_total"),
+    endpoint_requests: register_int_counter_vec!(
+        "rolter_endpoint_requests_total",
+        "Requests by API endpoint and HTTP status",
+        &["endpoint", "status"]
+    )
+    .expect("register rolter_endpoint_requests_total"),
+    response_ids: register_int_gauge!(
+        "rolter_response_affinity_ids",
+        "Responses API ids remembered with the replica holding each"
+    )
+    .expect("register rolter_response_affinity_ids"),
     errors: register_int_counter_vec!(
         "rolter_request_errors_total",
         "Requests that ended in an error, by kind",

@@ -287,13 +287,14 @@ pub async fn send(
     })
 }
 
-/// Relay an answer to `session`: its head, then its body as it arrives; the upstream
-/// connection goes back to the pool when the body ends.
+/// Relay an answer to `session`: its head, then its body as it arrives (each chunk shown
+/// to `observe` first); the upstream connection goes back to the pool when the body ends.
 pub async fn relay(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     answer: Answer,
+    observe: &mut (dyn FnMut(&[u8]) + Send),
 ) -> Result<ExchangeOutcome, ExchangeError> {
     let Answer {
         mut http,
@@ -321,6 +322,7 @@ pub async fn relay(
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
         };
+        observe(&chunk);
         if http.is_body_done() {
             last = Some(chunk);
             break;

@@ -182,6 +182,7 @@ impl RouteTable {
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
                         upstream_model_json: crate::prompt::quote_model(&t.model),
+                        upstream_model: t.model.clone(),
                         weight: t.weight,
                         lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
                         kv: kv

@@ -32,6 +32,8 @@ pub struct RouteTarget {
     pub base_path: String,
     /// Model name sent upstream, as a JSON string literal (`prompt::quote_model`).
     pub upstream_model_json: String,
+    /// Model name sent upstream, as is (a multipart form field's value).
+    pub upstream_model: String,
     /// Configured weight.
     pub weight: u32,
     /// The provider's LMCache status cell, if it has `[providers.lmcache]`.
@@ -132,6 +134,13 @@ impl RouteTable {
     /// The route for a client-facing model alias.
     pub fn route(&self, alias: &str) -> Option<&Arc<Route>> {
         self.routes.get(alias)
+    }
+
+    /// Every route, in alias order (deterministic where several hold one target).
+    pub fn routes_by_alias(&self) -> impl Iterator<Item = &Arc<Route>> {
+        let mut routes: Vec<&Arc<Route>> = self.routes.values().collect();
+        routes.sort_by(|a, b| a.alias.cmp(&b.alias));
+        routes.into_iter()
     }
 
     /// The `GET /v1/models` response body.
