@@ -13,6 +13,12 @@
 //! completions, a string prompt is its escaped text; a token array is each id as four
 //! big-endian bytes (prefix-preserving); a batch is its members each followed by RS.
 //! Chat and completion prompts start with different tag bytes so they never collide.
+//!
+//! The other API shapes live beside this file, pure as it is: [`endpoint`] (which path is
+//! which endpoint), [`responses`] (Responses API prompt, encoded as chat, and the response
+//! id scanner), [`messages`] (Anthropic Messages, encoded as chat) and [`form`] (the
+//! `model` field of a multipart/form-data body). Pass-through endpoints only find the
+//! model ([`RequestBody::has_prompt`] is false).
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
