@@ -665,3 +665,40 @@ async fn an_unhealthy_home_is_a_clear_503_and_the_id_table_is_capped() {
     assert_eq!(r.json()["error"]["code"], "response_home_unavailable");
     assert!(r.stub.is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_through_request_follows_its_session_on_a_pipeline_route() {
+    let (a, b) = (
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    );
+    let gw = Gateway::start(&routes_toml(&[a.url(), b.url()], "pipeline", "")).await;
+    let embed = |session: &'static str, i: usize| {
+        let url = gw.url("/v1/embeddings");
+        async move {
+            let resp = reqwest::Client::new()
+                .post(url)
+                .header("x-session-id", session)
+                .body(format!(r#"{{"model":"alias","input":"q{i}"}}"#))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.headers()["x-stub-id"].to_str().unwrap().to_string()
+        }
+    };
+    // Each session sticks to the target that served it first (without affinity, two idle
+    // targets are a coin toss per request: 10 in a row agree with chance 2^-9).
+    for session in ["s1", "s2", "s3"] {
+        let first = embed(session, 0).await;
+        for i in 1..10 {
+            assert_eq!(embed(session, i).await, first, "{session} moved at {i}");
+        }
+    }
+    assert!(
+        gw.metric("rolter_routing_decisions_total{reason=\"affinity\",strategy=\"pipeline\"}")
+            .await
+            .unwrap_or(0.0)
+            >= 27.0
+    );
+}
