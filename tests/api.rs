@@ -702,3 +702,49 @@ async fn a_pass_through_request_follows_its_session_on_a_pipeline_route() {
             >= 27.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_lists_aliases_with_the_context_length_and_root_their_targets_report() {
+    let (a, b, c) = (
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+        Stub::start("c").await.unwrap(),
+    );
+    let list = |id: &str, len: u64| {
+        Some(format!(
+            r#"{{"object":"list","data":[{{"id":"lora","root":"/adapters/x","max_model_len":1}},{{"id":"{id}","object":"model","owned_by":"vllm","root":"org/base","parent":null,"max_model_len":{len}}}]}}"#
+        ))
+    };
+    a.set_behaviour(Behaviour {
+        models: list("upstream-model-0", 32768),
+        ..Default::default()
+    });
+    b.set_behaviour(Behaviour {
+        models: list("upstream-model-1", 8192),
+        ..Default::default()
+    });
+    // c answers 404 on /v1/models, as a server without the listing would.
+    let extra = format!(
+        "[[providers]]\nname = \"pc\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n[[routes]]\nmodel = \"plain\"\nstrategy = \"least_load\"\n[[routes.targets]]\nprovider = \"pc\"\nmodel = \"m\"\n",
+        c.url()
+    );
+    let gw = Gateway::start(&routes_toml(&[a.url(), b.url()], "least_load", &extra)).await;
+    let v: serde_json::Value = serde_json::from_str(&gw.get_text("/v1/models").await).unwrap();
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["id"], "alias");
+    assert_eq!(data[0]["object"], "model");
+    assert_eq!(
+        data[0]["max_model_len"], 8192,
+        "the smallest of the targets'"
+    );
+    assert_eq!(data[0]["root"], "org/base");
+    assert_eq!(data[1]["id"], "plain");
+    assert!(data[1].get("max_model_len").is_none() && data[1].get("root").is_none());
+    // Answers are remembered: a second listing asks no target again.
+    let asked = a.served() + b.served() + c.served();
+    assert_eq!(asked, 3, "each target asked once");
+    let again: serde_json::Value = serde_json::from_str(&gw.get_text("/v1/models").await).unwrap();
+    assert_eq!(again, v);
+    assert_eq!(a.served() + b.served() + c.served(), asked);
+}

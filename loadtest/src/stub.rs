@@ -54,6 +54,8 @@ pub struct Behaviour {
     /// Requests whose body contains this marker wait this long before answering (a test
     /// holds requests in flight on one stub without slowing the others).
     pub hold: Option<(String, Duration)>,
+    /// The body of `GET /v1/models` (a vLLM-style model list); `None` answers 404.
+    pub models: Option<String>,
 }
 
 impl Default for Behaviour {
@@ -65,6 +67,7 @@ impl Default for Behaviour {
             status: 200,
             health_status: 200,
             hold: None,
+            models: None,
         }
     }
 }
@@ -121,6 +124,7 @@ impl Stub {
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
             .route("/health", get(health))
+            .route("/v1/models", get(models))
             .route("/v1/responses", post(create_response))
             .route(
                 "/v1/responses/{id}",
@@ -220,6 +224,15 @@ impl Drop for Stub {
 async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
     let status = shared.behaviour.lock().health_status;
     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+/// `GET /v1/models` (counted in [`Stub::served`], not recorded).
+async fn models(State(shared): State<Arc<Shared>>) -> Response {
+    shared.served.fetch_add(1, Ordering::Relaxed);
+    match shared.behaviour.lock().models.clone() {
+        Some(body) => ([("content-type", "application/json")], body).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 struct ActiveGuard(Arc<Shared>);

@@ -27,6 +27,7 @@ pub mod body;
 pub mod connection;
 pub mod error;
 pub mod framing;
+pub mod models;
 pub mod pool;
 mod responses;
 pub mod upstream;
@@ -133,6 +134,8 @@ pub struct Gateway {
     pool: pool::UpstreamPool,
     admission: Admission,
     connections: Arc<connection::OpenConnections>,
+    /// What each target reports in its own `/v1/models` (kept across reloads).
+    models: models::ModelInfoCache,
 }
 
 impl Gateway {
@@ -148,6 +151,7 @@ impl Gateway {
             pool: pool::UpstreamPool::new(conf),
             admission: Admission::new(),
             connections,
+            models: Default::default(),
         }
     }
 
@@ -459,7 +463,15 @@ impl Gateway {
                 });
                 (200, "text/plain; version=0.0.4", Bytes::from(text))
             }
-            _ => (200, "application/json", self.runtime.table().models_json()),
+            _ => {
+                let table = self.runtime.table();
+                self.refresh_model_info(&table).await;
+                (
+                    200,
+                    "application/json",
+                    models::listing(&table, &self.models),
+                )
+            }
         };
         ctx.status = status;
         respond(session, status, content_type, body, &[]).await

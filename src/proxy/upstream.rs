@@ -361,6 +361,44 @@ pub async fn relay(
     })
 }
 
+/// Send a small bodiless `request` (rolter's own, not a client's) and read the whole
+/// answer: its status and at most `max_bytes` of body (more is an error).
+pub async fn fetch_small(
+    pool: &UpstreamPool,
+    up: &Upstream<'_>,
+    request: &[u8],
+    max_bytes: usize,
+) -> Result<(u16, Vec<u8>), GatewayError> {
+    let unwrap = |e: ExchangeError| match e {
+        ExchangeError::Retryable(e) | ExchangeError::Final(e) => e,
+    };
+    let (mut http, _) = send_and_read_head(pool, up, request, Instant::now())
+        .await
+        .map_err(unwrap)?;
+    let status = http.resp_header().map_or(0, |h| h.status.as_u16());
+    let mut body = Vec::new();
+    while !http.is_body_done() {
+        match http.read_body_bytes().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() <= max_bytes => {
+                body.extend_from_slice(&chunk)
+            }
+            Ok(Some(_)) => {
+                return Err(GatewayError::UpstreamBroken {
+                    target: up.label.to_string(),
+                    reason: format!("answer over {max_bytes} bytes"),
+                })
+            }
+            Ok(None) => break,
+            Err(e) => return Err(upstream_error(up.label, &e)),
+        }
+    }
+    http.respect_keepalive();
+    if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
+        pool.put(idle, stream, up.idle_timeout, Instant::now());
+    }
+    Ok((status, body))
+}
+
 /// `work`, unless the client leaves first. Until the answer starts nothing is written to
 /// the client, and a stream can pause for long, so only its connection tells that it
 /// left; `work` (an upstream read) is then dropped, which closes the upstream connection:

@@ -13,7 +13,6 @@ use crate::fleet::lmcache::{LmcacheBoard, LmcacheEndpoint};
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{Registry, TargetKey};
 use crate::routing::{self, SessionTable, Strategy};
-use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -211,14 +210,6 @@ impl RouteTable {
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }
-        let mut aliases: Vec<&String> = routes.keys().collect();
-        aliases.sort();
-        let data: Vec<serde_json::Value> = aliases
-            .iter()
-            .map(|a| serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "rolter"}))
-            .collect();
-        let models_json =
-            Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
         let mut lmcache: Vec<Arc<LmcacheEndpoint>> = lmcache.into_values().collect();
         lmcache.sort_by(|a, b| a.provider.cmp(&b.provider));
         Ok(RouteTable {
@@ -227,7 +218,6 @@ impl RouteTable {
             limits,
             breaker: config.breaker.clone(),
             forwarding: config.forwarding.clone(),
-            models_json,
             egress,
             lmcache,
             kv,

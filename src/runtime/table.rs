@@ -11,7 +11,6 @@ use crate::fleet::ms_at;
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{KvState, TargetKey, TargetState};
 use crate::routing::{Candidate, KvView, Strategy};
-use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -124,7 +123,6 @@ pub struct RouteTable {
     pub breaker: BreakerConfig,
     /// Headers added to forwarded requests.
     pub forwarding: crate::config::ForwardingConfig,
-    pub(super) models_json: Bytes,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
     pub(super) kv: Vec<KvEntry>,
@@ -141,11 +139,6 @@ impl RouteTable {
         let mut routes: Vec<&Arc<Route>> = self.routes.values().collect();
         routes.sort_by(|a, b| a.alias.cmp(&b.alias));
         routes.into_iter()
-    }
-
-    /// The `GET /v1/models` response body.
-    pub fn models_json(&self) -> Bytes {
-        self.models_json.clone()
     }
 
     /// Every `[providers.kv_events]` stream of this generation.
