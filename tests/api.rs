@@ -477,7 +477,16 @@ async fn conversation_follows_its_home(stream: bool) {
             assert!(s.recorded().is_empty(), "stub {i} got a request");
         }
     }
-    // Reading, cancelling and deleting it reach the home too.
+    // Reading, cancelling and deleting it reach the home too (a bare GET has no body and
+    // no Content-Length).
+    let bare = reqwest::get(gw.url(&format!("/v1/responses/{id}?stream=false")))
+        .await
+        .unwrap();
+    assert_eq!(bare.status(), 200);
+    assert_eq!(
+        home.recorded().last().unwrap().uri,
+        format!("/v1/responses/{id}?stream=false")
+    );
     for (method, path) in [
         (reqwest::Method::GET, format!("/v1/responses/{id}")),
         (reqwest::Method::POST, format!("/v1/responses/{id}/cancel")),

@@ -202,8 +202,11 @@ impl Gateway {
         let _admitted = self.admit(&table)?;
         ctx.body_bytes = body.len();
         let headers = &session.req_header().headers;
-        let content_type = headers
-            .get(http::header::CONTENT_TYPE)
+        // Read only where it matters (the boundary of a multipart form).
+        let content_type = endpoint
+            .is_form()
+            .then(|| headers.get(http::header::CONTENT_TYPE))
+            .flatten()
             .map(|v| v.as_bytes());
         let parsed = prompt::RequestBody::parse_with(endpoint, body.body(), content_type)
             .map_err(|e| GatewayError::BadRequest(e.to_string()))?;

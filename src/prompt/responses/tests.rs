@@ -132,14 +132,33 @@ fn the_id_is_found_in_the_first_sse_event_carrying_a_response() {
 }
 
 proptest! {
-    /// Arbitrary bytes in any chunking never panic.
+    /// Arbitrary bytes never panic, and how they are cut into chunks never changes what
+    /// is found.
     #[test]
-    fn sniffing_arbitrary_bytes_never_panics(
+    fn sniffing_arbitrary_bytes_never_panics_nor_depends_on_chunking(
         bytes in proptest::collection::vec(any::<u8>(), 0..600),
         cut in 0usize..600,
         stream in any::<bool>(),
     ) {
         let (a, b) = bytes.split_at(cut.min(bytes.len()));
-        let _ = sniff(stream, &[a, b]);
+        prop_assert_eq!(sniff(stream, &[a, b]), sniff(stream, &[&bytes]));
+    }
+
+    /// Well-formed answers with arbitrary ids and filler, cut anywhere: the id is found.
+    #[test]
+    fn ids_are_found_in_any_chunking(
+        id in "[a-zA-Z0-9_\\-]{1,60}",
+        filler in "[a-z \\\"{}\\[\\],:]{0,40}",
+        cut in 0usize..400,
+        stream in any::<bool>(),
+    ) {
+        let filler = serde_json::to_string(&filler).unwrap();
+        let body = if stream {
+            format!("event: response.created\ndata: {{\"type\":\"response.created\",\"x\":{filler},\"response\":{{\"output\":[{{\"id\":\"no\"}}],\"id\":\"{id}\"}}}}\n\n")
+        } else {
+            format!("{{\"object\":{filler},\"output\":[{{\"id\":\"no\",\"k\":{{\"id\":\"no\"}}}}],\"id\":\"{id}\"}}")
+        };
+        let (a, b) = body.as_bytes().split_at(cut.min(body.len()));
+        prop_assert_eq!(sniff(stream, &[a, b]), Some(id));
     }
 }
