@@ -757,3 +757,36 @@ async fn models_lists_aliases_with_the_context_length_and_root_their_targets_rep
     assert_eq!(again, v);
     assert_eq!(a.served() + b.served() + c.served(), asked);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answer_s_own_framing_decides_how_its_response_id_is_read() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "least_load", "")).await;
+    // Asked to stream, answered with JSON (a background response): the id is still learnt.
+    let r = post(
+        &gw,
+        "/v1/responses",
+        r#"{"model":"alias","input":"x","stream":true,"background":true}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = response_id(&r.body, false);
+    assert_eq!(gw.metric("rolter_response_affinity_ids").await, Some(1.0));
+    let got = send(
+        &gw,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{id}"),
+        "application/json",
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(got.status, 200, "{}", got.body);
+    // An error answer teaches nothing.
+    stub.set_behaviour(Behaviour {
+        status: 500,
+        ..Default::default()
+    });
+    let failed = post(&gw, "/v1/responses", r#"{"model":"alias","input":"y"}"#).await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(gw.metric("rolter_response_affinity_ids").await, Some(1.0));
+}

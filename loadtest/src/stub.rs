@@ -370,7 +370,8 @@ async fn create_response(
             "content": [{"type": "output_text", "text": format!("hello from {id}"), "annotations": []}]}],
         "id": rid,
     });
-    if json["stream"].as_bool() != Some(true) {
+    // A background response is answered at once as JSON (queued), stream or not.
+    if json["stream"].as_bool() != Some(true) || json["background"].as_bool() == Some(true) {
         drop(guard);
         return (
             [

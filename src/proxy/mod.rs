@@ -89,8 +89,8 @@ struct Prepared<'a, 'c> {
     charged: &'a mut admission::BodyBytes<'c>,
     /// Where the `model` value sits and how the target's replaces it.
     model: ModelRewrite,
-    /// Learn the answer's response id (Responses API): `Some(stream)`.
-    learn: Option<bool>,
+    /// Learn the answer's response id (Responses API).
+    learn: bool,
     /// What the upstream is told about the client.
     client: upstream::ClientInfo,
     at: Instant,
@@ -248,7 +248,7 @@ impl Gateway {
         } else {
             ModelRewrite::Raw(parsed.model_span.clone())
         };
-        let learn = (endpoint == Endpoint::Responses).then_some(parsed.stream);
+        let learn = endpoint == Endpoint::Responses;
         // The parsed messages (escaped text decoded into owned strings, non-text payloads
         // as JSON values) are not needed past this point: not held through the exchange.
         drop(parsed);
@@ -408,9 +408,9 @@ impl Gateway {
         let exchange = async {
             let answer = upstream::send(&self.pool, &up, session, out, attempt.started).await?;
             // A Responses answer's id is learnt as it passes: the replica holds it now.
-            let mut sniffer = learn
-                .filter(|_| (200..300).contains(&answer.status))
-                .map(ResponseIdSniffer::new);
+            // The answer's own framing decides how to read it, not what the client asked.
+            let mut sniffer = (learn && (200..300).contains(&answer.status))
+                .then(|| ResponseIdSniffer::new(answer.is_event_stream()));
             let mut observe = |chunk: &[u8]| {
                 let found = sniffer.as_mut().and_then(|s| s.feed(chunk));
                 if let Some(id) = found {

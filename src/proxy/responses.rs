@@ -133,7 +133,7 @@ impl Gateway {
             body: &mut body,
             charged: &mut charged,
             model: ModelRewrite::None,
-            learn: None,
+            learn: false,
             client,
             at,
         };

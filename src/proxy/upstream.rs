@@ -253,6 +253,20 @@ pub struct Answer {
     pub ttfb: Duration,
 }
 
+impl Answer {
+    /// Whether the answer is an SSE stream (`Content-Type: text/event-stream`).
+    pub fn is_event_stream(&self) -> bool {
+        self.http
+            .resp_header()
+            .and_then(|h| h.headers.get(http::header::CONTENT_TYPE))
+            .is_some_and(|v| {
+                v.as_bytes()
+                    .get(..17)
+                    .is_some_and(|t| t.eq_ignore_ascii_case(b"text/event-stream"))
+            })
+    }
+}
+
 /// Send the request to the upstream and read its response head. The request's buffer and
 /// its charge are let go as soon as the head is in.
 pub async fn send(
