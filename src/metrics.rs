@@ -387,6 +387,55 @@ pub fn forget_route(alias: &str) {
     let _ = METRICS.sessions.remove_label_values(&[alias]);
 }
 
+/// Every `endpoint` label of `rolter_endpoint_requests_total`: the forwarded endpoints
+/// (`prompt::Endpoint::label`), the requests naming a stored response, the ones rolter
+/// answers itself, and `unknown` (no such path).
+pub const ENDPOINT_LABELS: [&str; 21] = [
+    "chat_completions",
+    "completions",
+    "responses",
+    "messages",
+    "messages_count_tokens",
+    "embeddings",
+    "rerank",
+    "score",
+    "pooling",
+    "classify",
+    "tokenize",
+    "detokenize",
+    "chat_render",
+    "audio_transcriptions",
+    "audio_translations",
+    "responses_by_id",
+    "models",
+    "health",
+    "ready",
+    "metrics",
+    "unknown",
+];
+
+/// Count one request on `endpoint` answered with `status` (`None`: no status, counted as
+/// "0"). A 200 on a known endpoint (nearly every request) bumps a series resolved once,
+/// not a labelled lookup per request.
+pub fn endpoint_answered(endpoint: &str, status: Option<http::StatusCode>) {
+    static OK: LazyLock<Vec<IntCounter>> = LazyLock::new(|| {
+        ENDPOINT_LABELS
+            .iter()
+            .map(|l| METRICS.endpoint_requests.with_label_values(&[l, "200"]))
+            .collect()
+    });
+    if status == Some(http::StatusCode::OK) {
+        if let Some(i) = ENDPOINT_LABELS.iter().position(|l| *l == endpoint) {
+            OK[i].inc();
+            return;
+        }
+    }
+    METRICS
+        .endpoint_requests
+        .with_label_values(&[endpoint, status.as_ref().map_or("0", |s| s.as_str())])
+        .inc();
+}
+
 /// Render every registered metric in the Prometheus text format.
 pub fn render() -> Vec<u8> {
     let families = prometheus::gather();
@@ -400,6 +449,23 @@ pub fn render() -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_endpoint_label_is_listed_and_counted() {
+        for e in crate::prompt::Endpoint::ALL {
+            assert!(ENDPOINT_LABELS.contains(&e.label()), "{e:?}");
+        }
+        let series = |status| {
+            METRICS
+                .endpoint_requests
+                .with_label_values(&["score", status])
+                .get()
+        };
+        let (ok, bad) = (series("200"), series("400"));
+        endpoint_answered("score", Some(http::StatusCode::OK));
+        endpoint_answered("score", Some(http::StatusCode::BAD_REQUEST));
+        assert_eq!((series("200"), series("400")), (ok + 1, bad + 1));
+    }
 
     #[test]
     fn route_handles_bump_the_labelled_series() {

@@ -613,17 +613,14 @@ impl ProxyHttp for Gateway {
     ) {
         let req = session.req_header();
         let status = http::StatusCode::from_u16(ctx.status).ok();
-        METRICS
-            .endpoint_requests
-            .with_label_values(&[
-                if ctx.endpoint.is_empty() {
-                    "unknown"
-                } else {
-                    ctx.endpoint
-                },
-                status.as_ref().map_or("0", |s| s.as_str()),
-            ])
-            .inc();
+        crate::metrics::endpoint_answered(
+            if ctx.endpoint.is_empty() {
+                "unknown"
+            } else {
+                ctx.endpoint
+            },
+            status,
+        );
         // The status's own text (`StatusCode::as_str`): no per-request string.
         if !ctx.counted {
             METRICS

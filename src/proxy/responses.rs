@@ -40,7 +40,7 @@ pub(super) fn home_in_route(
         .targets
         .iter()
         .position(|t| t.state.label() == &*home)
-        .ok_or_else(|| unavailable("it is not a target of this model any more"))?;
+        .ok_or_else(|| unavailable("it is not a target of this model"))?;
     if !route.targets[index].state.eligible(now_ms()) {
         return Err(unavailable(
             "it is unhealthy, cooling down or its circuit is open",
