@@ -23,7 +23,7 @@ FUZZ_DIR=$(pwd)
 ROOT=$(cd .. && pwd)
 SECONDS_EACH="${FUZZ_SECONDS:-60}"
 SANITIZER="${FUZZ_SANITIZER:-address}"
-ALL_TARGETS=(prompt_parse token_ids kv_decode config_parse)
+ALL_TARGETS=(prompt_parse response_id token_ids kv_decode config_parse)
 if [ $# -gt 0 ]; then TARGETS=("$@"); else TARGETS=("${ALL_TARGETS[@]}"); fi
 # Sanitizer builds stay out of any shared target directory.
 export CARGO_TARGET_DIR="$FUZZ_DIR/target"
@@ -55,12 +55,20 @@ printf '1,2,3' > seeds/token_ids/short
 printf ' 0 , 4294967295,17 ' > seeds/token_ids/edges
 seq -s, 1 2000 | tr -d '\n' > seeds/token_ids/long
 seed prompt_parse
-# First byte: even = chat, odd = completions.
+# First byte: the endpoint (`Endpoint::ALL[byte % 15]`: 0 chat, 1 completions, 2 responses,
+# 3 messages, 5 embeddings, 13 transcriptions) and the upstream model (byte / 32 % 2).
 printf '\0{"model":"llama","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],"stream":true}' > seeds/prompt_parse/chat
 printf '\0{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"data:a"}}]},{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":"{}"}}]}]}' > seeds/prompt_parse/parts
 printf '\1{"model":"m","prompt":"abc","stream":false}' > seeds/prompt_parse/completion
 printf '\1{"model":"m","prompt":[[1,2],[3]]}' > seeds/prompt_parse/token_batch
-printf '\3{"model":"m\\u00e9\\"","prompt":["a","b"]}' > seeds/prompt_parse/escaped_model
+printf '\56{"model":"m\\u00e9\\"","prompt":["a","b"]}' > seeds/prompt_parse/escaped_model
+printf '\2{"model":"m","instructions":"S","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]},{"type":"function_call","name":"f","arguments":"{}","call_id":"c"},{"type":"function_call_output","call_id":"c","output":"ok"}],"previous_response_id":"resp_1","stream":true}' > seeds/prompt_parse/responses
+printf '\3{"model":"m","system":[{"type":"text","text":"S"}],"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]}]}' > seeds/prompt_parse/messages
+printf '\5{"input":["a"],"model":"m","encoding_format":"float"}' > seeds/prompt_parse/embeddings
+printf '\15--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--XyZ--\r\n' > seeds/prompt_parse/transcription
+seed response_id
+printf '\0{"id":"resp_1","object":"response","output":[{"id":"msg_1"}]}' > seeds/response_id/json
+printf '\1event: response.created\ndata: {"type":"response.created","response":{"id":"resp_2","output":[]}}\n\n' > seeds/response_id/sse
 
 status=0
 summary="| target | seconds | runs | corpus | result |\n|---|---:|---:|---:|---|\n"

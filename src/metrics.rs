@@ -16,6 +16,10 @@ use std::sync::{LazyLock, OnceLock};
 pub struct Metrics {
     /// Requests answered, by route alias, target and HTTP status.
     pub requests: IntCounterVec,
+    /// Requests by API endpoint (`prompt::Endpoint::label`, or a local one) and status.
+    pub endpoint_requests: IntCounterVec,
+    /// Responses API ids remembered (refreshed at scrape time).
+    pub response_ids: IntGauge,
     /// Requests rejected or failed before/while proxying, by kind.
     pub errors: IntCounterVec,
     /// Requests in flight per target.
@@ -185,6 +189,17 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["route", "target", "status"]
     )
     .expect("register rolter_requests_total"),
+    endpoint_requests: register_int_counter_vec!(
+        "rolter_endpoint_requests_total",
+        "Requests by API endpoint and HTTP status",
+        &["endpoint", "status"]
+    )
+    .expect("register rolter_endpoint_requests_total"),
+    response_ids: register_int_gauge!(
+        "rolter_response_affinity_ids",
+        "Responses API ids remembered with the replica holding each"
+    )
+    .expect("register rolter_response_affinity_ids"),
     errors: register_int_counter_vec!(
         "rolter_request_errors_total",
         "Requests that ended in an error, by kind",
@@ -496,6 +511,55 @@ pub fn forget_route(alias: &str) {
     let _ = METRICS.sessions.remove_label_values(&[alias]);
 }
 
+/// Every `endpoint` label of `rolter_endpoint_requests_total`: the forwarded endpoints
+/// (`prompt::Endpoint::label`), the requests naming a stored response, the ones rolter
+/// answers itself, and `unknown` (no such path).
+pub const ENDPOINT_LABELS: [&str; 21] = [
+    "chat_completions",
+    "completions",
+    "responses",
+    "messages",
+    "messages_count_tokens",
+    "embeddings",
+    "rerank",
+    "score",
+    "pooling",
+    "classify",
+    "tokenize",
+    "detokenize",
+    "chat_render",
+    "audio_transcriptions",
+    "audio_translations",
+    "responses_by_id",
+    "models",
+    "health",
+    "ready",
+    "metrics",
+    "unknown",
+];
+
+/// Count one request on `endpoint` answered with `status` (`None`: no status, counted as
+/// "0"). A 200 on a known endpoint (nearly every request) bumps a series resolved once,
+/// not a labelled lookup per request.
+pub fn endpoint_answered(endpoint: &str, status: Option<http::StatusCode>) {
+    static OK: LazyLock<Vec<IntCounter>> = LazyLock::new(|| {
+        ENDPOINT_LABELS
+            .iter()
+            .map(|l| METRICS.endpoint_requests.with_label_values(&[l, "200"]))
+            .collect()
+    });
+    if status == Some(http::StatusCode::OK) {
+        if let Some(i) = ENDPOINT_LABELS.iter().position(|l| *l == endpoint) {
+            OK[i].inc();
+            return;
+        }
+    }
+    METRICS
+        .endpoint_requests
+        .with_label_values(&[endpoint, status.as_ref().map_or("0", |s| s.as_str())])
+        .inc();
+}
+
 /// Render every registered metric in the Prometheus text format.
 pub fn render() -> Vec<u8> {
     let families = prometheus::gather();
@@ -509,6 +573,23 @@ pub fn render() -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_endpoint_label_is_listed_and_counted() {
+        for e in crate::prompt::Endpoint::ALL {
+            assert!(ENDPOINT_LABELS.contains(&e.label()), "{e:?}");
+        }
+        let series = |status| {
+            METRICS
+                .endpoint_requests
+                .with_label_values(&["score", status])
+                .get()
+        };
+        let (ok, bad) = (series("200"), series("400"));
+        endpoint_answered("score", Some(http::StatusCode::OK));
+        endpoint_answered("score", Some(http::StatusCode::BAD_REQUEST));
+        assert_eq!((series("200"), series("400")), (ok + 1, bad + 1));
+    }
 
     #[test]
     fn route_handles_bump_the_labelled_series() {

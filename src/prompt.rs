@@ -13,6 +13,12 @@
 //! completions, a string prompt is its escaped text; a token array is each id as four
 //! big-endian bytes (prefix-preserving); a batch is its members each followed by RS.
 //! Chat and completion prompts start with different tag bytes so they never collide.
+//!
+//! The other API shapes live beside this file, pure as it is: [`endpoint`] (which path is
+//! which endpoint), [`responses`] (Responses API prompt, encoded as chat, and the response
+//! id scanner), [`messages`] (Anthropic Messages, encoded as chat) and [`form`] (the
+//! `model` field of a multipart/form-data body). Pass-through endpoints only find the
+//! model ([`RequestBody::has_prompt`] is false).
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -33,14 +39,12 @@ const US: u8 = 0x1F;
 const TAG_CHAT: u8 = b'C';
 const TAG_COMPLETION: u8 = b'P';
 
-/// Which OpenAI endpoint a body is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `POST /v1/chat/completions`
-    Chat,
-    /// `POST /v1/completions`
-    Completions,
-}
+pub mod form;
+pub mod messages;
+pub mod responses;
+
+pub use endpoint::Endpoint;
+mod endpoint;
 
 /// A parsed request body: everything later stages need, with the body untouched.
 #[derive(Debug)]
@@ -62,6 +66,8 @@ pub enum PromptError {
     Json(#[from] serde_json::Error),
     #[error("'model' must be a string")]
     ModelNotString,
+    #[error("{0}")]
+    Form(#[from] form::FormError),
 }
 
 #[derive(Deserialize)]
@@ -385,6 +391,10 @@ pub struct RequestBody<'a> {
     pub model_span: std::ops::Range<usize>,
     /// Whether the client asked for a streamed (SSE) response.
     pub stream: bool,
+    /// Whether `model_span` holds a JSON string literal (else a form field's raw value).
+    pub model_is_json: bool,
+    /// The Responses API's `previous_response_id`, if the body has one.
+    pub previous_response_id: Option<String>,
     content: BodyContent<'a>,
     body_len: usize,
 }
@@ -392,11 +402,53 @@ pub struct RequestBody<'a> {
 enum BodyContent<'a> {
     Chat(Vec<Message<'a>>),
     Completion(PromptField<'a>),
+    Responses(responses::Conversation<'a>),
+    Messages(messages::Conversation<'a>),
+    /// A pass-through endpoint: only the model is read.
+    None,
+}
+
+/// A pass-through JSON body: only `model` (and `stream`) are read; the rest is checked to
+/// be JSON and skipped.
+#[derive(Deserialize)]
+struct ModelOnly<'a> {
+    #[serde(borrow)]
+    model: &'a RawValue,
+    #[serde(default)]
+    stream: Option<bool>,
 }
 
 impl<'a> RequestBody<'a> {
-    /// Parse `body` (one JSON parse; strings without escapes stay borrowed from it).
+    /// Parse a JSON `body` (one JSON parse; strings without escapes stay borrowed from it).
+    /// A multipart endpoint needs its `Content-Type`: [`RequestBody::parse_with`].
     pub fn parse(endpoint: Endpoint, body: &'a [u8]) -> Result<Self, PromptError> {
+        Self::parse_with(endpoint, body, None)
+    }
+
+    /// Parse `body` for `endpoint`; `content_type` is the request's `Content-Type` (read
+    /// only by the multipart/form-data endpoints, for the boundary).
+    pub fn parse_with(
+        endpoint: Endpoint,
+        body: &'a [u8],
+        content_type: Option<&[u8]>,
+    ) -> Result<Self, PromptError> {
+        if endpoint.is_form() {
+            let ct = content_type.ok_or(form::FormError::NotMultipart)?;
+            let field = form::model_field(body, ct)?;
+            let model = std::str::from_utf8(&body[field.clone()])
+                .map_err(|_| PromptError::ModelNotString)?
+                .to_owned();
+            return Ok(RequestBody {
+                model,
+                model_span: field,
+                stream: false,
+                model_is_json: false,
+                previous_response_id: None,
+                content: BodyContent::None,
+                body_len: body.len(),
+            });
+        }
+        let mut previous_response_id = None;
         let (raw_model, stream, content) = match endpoint {
             Endpoint::Chat => {
                 let req: ChatBody = serde_json::from_slice(body)?;
@@ -406,6 +458,21 @@ impl<'a> RequestBody<'a> {
                 let req: CompletionBody = serde_json::from_slice(body)?;
                 (req.model, req.stream, BodyContent::Completion(req.prompt))
             }
+            Endpoint::Responses => {
+                let req: responses::ResponsesBody = serde_json::from_slice(body)?;
+                previous_response_id = req.previous_response_id.map(|t| t.0.into_owned());
+                let conversation = responses::Conversation::new(req.instructions, req.input);
+                (req.model, req.stream, BodyContent::Responses(conversation))
+            }
+            Endpoint::Messages => {
+                let req: messages::MessagesBody = serde_json::from_slice(body)?;
+                let conversation = messages::Conversation::new(req.system, req.messages);
+                (req.model, req.stream, BodyContent::Messages(conversation))
+            }
+            _ => {
+                let req: ModelOnly = serde_json::from_slice(body)?;
+                (req.model, req.stream, BodyContent::None)
+            }
         };
         let model: String =
             serde_json::from_str(raw_model.get()).map_err(|_| PromptError::ModelNotString)?;
@@ -414,9 +481,17 @@ impl<'a> RequestBody<'a> {
             model,
             model_span: start..start + raw_model.get().len(),
             stream: stream.unwrap_or(false),
+            model_is_json: true,
+            previous_response_id,
             content,
             body_len: body.len(),
         })
+    }
+
+    /// Whether the endpoint's body carries a prompt ([`RequestBody::prompt`] is empty
+    /// for pass-through endpoints).
+    pub fn has_prompt(&self) -> bool {
+        !matches!(self.content, BodyContent::None)
     }
 
     /// The prompt bytes (see module docs).
@@ -433,6 +508,15 @@ impl<'a> RequestBody<'a> {
                 prompt.push(TAG_COMPLETION);
                 encode_completion(&mut prompt, p);
             }
+            BodyContent::Responses(c) => {
+                prompt.push(TAG_CHAT);
+                c.encode(&mut prompt);
+            }
+            BodyContent::Messages(c) => {
+                prompt.push(TAG_CHAT);
+                c.encode(&mut prompt);
+            }
+            BodyContent::None => {}
         }
         prompt
     }
@@ -528,21 +612,7 @@ pub fn parse_token_ids(header: &[u8]) -> Option<Vec<u32>> {
 fn encode_message(out: &mut Vec<u8>, m: &Message) {
     push_text(out, &m.role);
     out.push(US);
-    match &m.content {
-        None => {}
-        Some(Content::Text(t)) => push_text(out, t),
-        Some(Content::Parts(parts)) => {
-            for (i, part) in parts.iter().enumerate() {
-                if i > 0 {
-                    out.push(GS);
-                }
-                match (&part.text, part.kind.as_ref()) {
-                    (Some(t), "text") => escape_into(out, t.as_bytes()),
-                    _ => encode_opaque_part(out, part),
-                }
-            }
-        }
-    }
+    encode_content(out, m.content.as_ref(), |kind| kind == "text");
     for call in m.tool_calls.iter().flatten() {
         if let Some(f) = &call.function {
             out.push(GS);
@@ -552,6 +622,27 @@ fn encode_message(out: &mut Vec<u8>, m: &Message) {
         }
     }
     out.push(RS);
+}
+
+/// A message's content: its text, or its parts joined by GS, where a part whose type
+/// `is_text` accepts contributes its text and any other part is opaque
+/// ([`encode_opaque_part`]).
+fn encode_content(out: &mut Vec<u8>, content: Option<&Content>, is_text: fn(&str) -> bool) {
+    match content {
+        None => {}
+        Some(Content::Text(t)) => push_text(out, t),
+        Some(Content::Parts(parts)) => {
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    out.push(GS);
+                }
+                match &part.text {
+                    Some(t) if is_text(&part.kind) => escape_into(out, t.as_bytes()),
+                    _ => encode_opaque_part(out, part),
+                }
+            }
+        }
+    }
 }
 
 /// A non-text part: its type, then a stable hash of its payload's canonical JSON.

@@ -450,7 +450,10 @@ fn cases(evil_port: u16) -> Vec<Case> {
         case("10,000 messages", post(&ten_thousand, ""), 200, Relayed).upstream(Upstream::Body(upstream_view(&ten_thousand))),
         // --- methods and paths ---
         case("GET on a POST endpoint", http("GET /v1/chat/completions HTTP/1.1\r\nHost: gateway", b""), 405, OpenAi("method_not_allowed")),
-        case("unknown path", http("POST /v1/embeddings HTTP/1.1\r\nHost: gateway\r\nContent-Length: 2", b"{}"), 404, OpenAi("not_found")),
+        case("unknown path", http("POST /v1/nonexistent HTTP/1.1\r\nHost: gateway\r\nContent-Length: 2", b"{}"), 404, OpenAi("not_found")),
+        case("pass-through body without a model", http("POST /v1/embeddings HTTP/1.1\r\nHost: gateway\r\nContent-Length: 2", b"{}"), 400, OpenAi("bad_request")),
+        case("audio form without a boundary", http("POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway\r\nContent-Type: multipart/form-data\r\nContent-Length: 2", b"{}"), 400, OpenAi("bad_request")),
+        case("audio form cut before its end", http("POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway\r\nContent-Type: multipart/form-data; boundary=b\r\nContent-Length: 53", b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n"), 400, OpenAi("bad_request")),
         case("CONNECT", http("CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: 127.0.0.1:1", b""), 405, Pingora),
         case("garbage request line", http("FOO BAR BAZ QUX", b""), 400, Pingora),
         case("NUL in a header value", http("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nX-A: a\0b\r\nContent-Length: 2", b"{}"), 400, Pingora),

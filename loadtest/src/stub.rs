@@ -1,6 +1,10 @@
 //! A minimal OpenAI-compatible upstream for tests: it records every request it gets
 //! (path, headers, body bytes, connection) and answers chat/completions with a small JSON
-//! body, or with an SSE stream whose pacing the test controls.
+//! body, or with an SSE stream whose pacing the test controls. The Responses API is served
+//! as vLLM does it, in memory: `POST /v1/responses` stores a response (JSON, or an SSE
+//! stream whose first event is `response.created`) and a later request naming it
+//! (`previous_response_id`, `GET`/`DELETE /v1/responses/{id}`, `.../cancel`) finds it only
+//! on the stub that stored it (else 404). Any other path is echoed back as JSON.
 //!
 //! Owns: nothing shared; every stub is its own server on a loopback port. Must not: model
 //! caches or costs (that is the simulator's job).
@@ -47,6 +51,11 @@ pub struct Behaviour {
     pub status: u16,
     /// Status code of `GET /health`.
     pub health_status: u16,
+    /// Requests whose body contains this marker wait this long before answering (a test
+    /// holds requests in flight on one stub without slowing the others).
+    pub hold: Option<(String, Duration)>,
+    /// The body of `GET /v1/models` (a vLLM-style model list); `None` answers 404.
+    pub models: Option<String>,
 }
 
 impl Default for Behaviour {
@@ -57,6 +66,8 @@ impl Default for Behaviour {
             chunk_interval: Duration::from_millis(1),
             status: 200,
             health_status: 200,
+            hold: None,
+            models: None,
         }
     }
 }
@@ -68,6 +79,8 @@ struct Shared {
     active: AtomicUsize,
     served: AtomicU64,
     recording: std::sync::atomic::AtomicBool,
+    /// Responses this stub stored (Responses API), by id.
+    responses: Mutex<std::collections::HashSet<String>>,
 }
 
 /// A running stub server.
@@ -105,11 +118,20 @@ impl Stub {
             active: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             recording: std::sync::atomic::AtomicBool::new(true),
+            responses: Mutex::new(std::collections::HashSet::new()),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
             .route("/health", get(health))
+            .route("/v1/models", get(models))
+            .route("/v1/responses", post(create_response))
+            .route(
+                "/v1/responses/{id}",
+                get(stored_response).delete(stored_response),
+            )
+            .route("/v1/responses/{id}/cancel", post(stored_response))
+            .fallback(echo)
             .with_state(shared.clone());
         let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
@@ -204,6 +226,15 @@ async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
+/// `GET /v1/models` (counted in [`Stub::served`], not recorded).
+async fn models(State(shared): State<Arc<Shared>>) -> Response {
+    shared.served.fetch_add(1, Ordering::Relaxed);
+    match shared.behaviour.lock().models.clone() {
+        Some(body) => ([("content-type", "application/json")], body).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 struct ActiveGuard(Arc<Shared>);
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
@@ -218,26 +249,7 @@ async fn complete(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    shared.served.fetch_add(1, Ordering::Relaxed);
-    shared.active.fetch_add(1, Ordering::Relaxed);
-    let guard = ActiveGuard(shared.clone());
-    if shared.recording.load(Ordering::Relaxed) {
-        let mut rec = shared.recorded.lock();
-        if rec.len() < MAX_RECORDED {
-            rec.push(Recorded {
-                uri: uri.to_string(),
-                headers,
-                body: body.clone(),
-                peer,
-            });
-        }
-    }
-    let b = shared.behaviour.lock().clone();
-    // Not `sleep(ZERO)`: tokio rounds a timer up to its next 1 ms tick, so an idle stub
-    // would answer ~1 ms late and every latency measured through it would carry that.
-    if !b.delay.is_zero() {
-        tokio::time::sleep(b.delay).await;
-    }
+    let (guard, b) = admit(&shared, peer, &uri, headers, &body).await;
     let id = shared.id.clone();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let model = json["model"].as_str().unwrap_or("").to_string();
@@ -262,6 +274,191 @@ async fn complete(
         "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("hello from {id}")}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     });
+    (
+        [
+            ("x-stub-id", id),
+            ("content-type", "application/json".into()),
+        ],
+        answer.to_string(),
+    )
+        .into_response()
+}
+
+/// Count, record and (per the behaviour) delay a request; its active guard and the
+/// behaviour it is answered under.
+async fn admit(
+    shared: &Arc<Shared>,
+    peer: SocketAddr,
+    uri: &Uri,
+    headers: HeaderMap,
+    body: &Bytes,
+) -> (ActiveGuard, Behaviour) {
+    shared.served.fetch_add(1, Ordering::Relaxed);
+    shared.active.fetch_add(1, Ordering::Relaxed);
+    let guard = ActiveGuard(shared.clone());
+    if shared.recording.load(Ordering::Relaxed) {
+        let mut rec = shared.recorded.lock();
+        if rec.len() < MAX_RECORDED {
+            rec.push(Recorded {
+                uri: uri.to_string(),
+                headers,
+                body: body.clone(),
+                peer,
+            });
+        }
+    }
+    let b = shared.behaviour.lock().clone();
+    // Not `sleep(ZERO)`: tokio rounds a timer up to its next 1 ms tick, so an idle stub
+    // would answer ~1 ms late and every latency measured through it would carry that.
+    if !b.delay.is_zero() {
+        tokio::time::sleep(b.delay).await;
+    }
+    if let Some((marker, hold)) = &b.hold {
+        if memchr::memmem::find(body, marker.as_bytes()).is_some() {
+            tokio::time::sleep(*hold).await;
+        }
+    }
+    (guard, b)
+}
+
+/// A non-2xx answer in OpenAI's error shape.
+fn error_answer(id: &str, status: StatusCode, message: String) -> Response {
+    let err = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+    (
+        status,
+        [
+            ("x-stub-id", id.to_string()),
+            ("content-type", "application/json".into()),
+        ],
+        err.to_string(),
+    )
+        .into_response()
+}
+
+/// `POST /v1/responses`: store a response (its id names this stub) and answer it as JSON
+/// or, for `"stream": true`, as vLLM's SSE events. A `previous_response_id` this stub
+/// did not store is a 404, as in vLLM.
+async fn create_response(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (guard, b) = admit(&shared, peer, &uri, headers, &body).await;
+    let id = shared.id.clone();
+    let status = StatusCode::from_u16(b.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    if !status.is_success() {
+        return error_answer(&id, status, format!("stub {id} failing"));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if let Some(prev) = json["previous_response_id"].as_str() {
+        if !shared.responses.lock().contains(prev) {
+            return error_answer(
+                &id,
+                StatusCode::NOT_FOUND,
+                format!("Response with id '{prev}' not found."),
+            );
+        }
+    }
+    let n = shared.served.load(Ordering::Relaxed);
+    let rid = format!("resp_{id}_{n}_{}", shared.responses.lock().len());
+    shared.responses.lock().insert(rid.clone());
+    let response = serde_json::json!({
+        "object": "response", "status": "completed", "model": json["model"],
+        "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": format!("hello from {id}"), "annotations": []}]}],
+        "id": rid,
+    });
+    // A background response is answered at once as JSON (queued), stream or not.
+    if json["stream"].as_bool() != Some(true) || json["background"].as_bool() == Some(true) {
+        drop(guard);
+        return (
+            [
+                ("x-stub-id", id),
+                ("content-type", "application/json".into()),
+            ],
+            response.to_string(),
+        )
+            .into_response();
+    }
+    let mut events = vec![(
+        "response.created",
+        serde_json::json!({"type": "response.created", "sequence_number": 0, "response": response}),
+    )];
+    for i in 0..b.stream_chunks {
+        events.push(("response.output_text.delta", serde_json::json!({"type": "response.output_text.delta", "delta": format!("{id}-{i} ")})));
+    }
+    events.push((
+        "response.completed",
+        serde_json::json!({"type": "response.completed", "response": response}),
+    ));
+    let interval = b.chunk_interval;
+    let stream = futures_util::stream::unfold((0usize, guard), move |(i, guard)| {
+        let next = events.get(i).cloned();
+        async move {
+            let (name, data) = next?;
+            if i > 0 {
+                tokio::time::sleep(interval).await;
+            }
+            let text = format!("event: {name}\ndata: {data}\n\n");
+            Some((Ok::<_, std::io::Error>(Bytes::from(text)), (i + 1, guard)))
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-stub-id", id)
+        .body(Body::from_stream(stream))
+        .expect("static response")
+}
+
+/// `GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: found only on
+/// the stub that stored it.
+async fn stored_response(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::extract::Path(rid): axum::extract::Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (_guard, _) = admit(&shared, peer, &uri, headers, &body).await;
+    let id = shared.id.clone();
+    if !shared.responses.lock().contains(&rid) {
+        return error_answer(
+            &id,
+            StatusCode::NOT_FOUND,
+            format!("Response with id '{rid}' not found."),
+        );
+    }
+    let answer =
+        serde_json::json!({"id": rid, "object": "response", "status": "completed", "stub": id});
+    (
+        [
+            ("x-stub-id", id),
+            ("content-type", "application/json".into()),
+        ],
+        answer.to_string(),
+    )
+        .into_response()
+}
+
+/// Any other path: recorded and answered with a JSON echo of what arrived.
+async fn echo(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    method: axum::http::Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (_guard, b) = admit(&shared, peer, &uri, headers, &body).await;
+    let id = shared.id.clone();
+    let status = StatusCode::from_u16(b.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    if !status.is_success() {
+        return error_answer(&id, status, format!("stub {id} failing"));
+    }
+    let answer = serde_json::json!({"object": "stub.echo", "method": method.as_str(), "path": uri.path(), "stub": id, "body_bytes": body.len()});
     (
         [
             ("x-stub-id", id),

@@ -623,6 +623,10 @@ pub struct LimitsConfig {
     pub client_header_timeout_ms: u64,
     /// Largest request header section; larger gets 431.
     pub max_header_bytes: usize,
+    /// Most Responses API ids remembered (response id → replica holding it).
+    pub response_affinity_cap: usize,
+    /// Seconds a remembered response id is kept after it was learnt.
+    pub response_affinity_ttl_s: u64,
 }
 
 impl Default for LimitsConfig {
@@ -641,6 +645,8 @@ impl Default for LimitsConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             client_header_timeout_ms: DEFAULT_CLIENT_HEADER_TIMEOUT_MS,
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            response_affinity_cap: crate::routing::responses::DEFAULT_RESPONSE_CAP,
+            response_affinity_ttl_s: crate::routing::responses::DEFAULT_RESPONSE_TTL_S,
         }
     }
 }

@@ -224,6 +224,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
             l.client_header_timeout_ms,
         ),
         ("limits.max_header_bytes", l.max_header_bytes as u64),
+        (
+            "limits.response_affinity_cap",
+            l.response_affinity_cap as u64,
+        ),
+        ("limits.response_affinity_ttl_s", l.response_affinity_ttl_s),
     ] {
         if value == 0 {
             out.push(format!("{key}: must be greater than 0"));

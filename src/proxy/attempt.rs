@@ -14,7 +14,7 @@ use crate::config::BreakerConfig;
 use crate::fleet::breaker::{Outcome, Ticket};
 use crate::fleet::{ms_at, InflightGuard};
 use crate::metrics::METRICS;
-use crate::routing::{Decision, FleetView, RouteInput};
+use crate::routing::{Decision, FleetView, RouteInput, Strategy};
 use crate::runtime::{Route, RouteTarget};
 use std::time::Instant;
 
@@ -34,9 +34,10 @@ pub struct Attempt<'r> {
 
 impl<'r> Attempt<'r> {
     /// Start a try of `decision` (whose target granted `ticket`): take the in-flight slot,
-    /// count the decision and let the strategy learn it.
+    /// count the decision and let `strategy` (the one that decided) learn it.
     pub fn begin(
         route: &'r Route,
+        strategy: &dyn Strategy,
         input: &RouteInput<'_>,
         view: &FleetView<'_>,
         decision: Decision,
@@ -53,7 +54,7 @@ impl<'r> Attempt<'r> {
         let started = Instant::now();
         // An attempt that then fails to connect leaves its prompt in the target's trie
         // (bounded, LRU) or pending set (3 s).
-        route.strategy.record(input, view, &decision);
+        strategy.record(input, view, &decision);
         Attempt {
             route,
             decision,

@@ -26,6 +26,13 @@ pub enum GatewayError {
     BodiesOverBudget { limit: usize },
     #[error("no eligible upstream for model '{0}'; retry later")]
     NoEligibleTarget(String),
+    /// The replica holding a stored response (Responses API) cannot be used.
+    #[error("the replica holding response '{id}' ({target}) is unavailable: {reason}")]
+    ResponseHomeUnavailable {
+        id: String,
+        target: String,
+        reason: &'static str,
+    },
     #[error("upstream {target} unreachable: {reason}")]
     UpstreamConnect { target: String, reason: String },
     #[error("upstream {target} failed: {reason}")]
@@ -80,6 +87,7 @@ impl GatewayError {
             GatewayError::HeaderTooLarge { .. } => 431,
             GatewayError::PayloadTooLarge { .. } => 413,
             GatewayError::NoEligibleTarget(_)
+            | GatewayError::ResponseHomeUnavailable { .. }
             | GatewayError::Overloaded { .. }
             | GatewayError::BodiesOverBudget { .. } => 503,
             GatewayError::UpstreamConnect { .. } | GatewayError::UpstreamBroken { .. } => 502,
@@ -102,6 +110,7 @@ impl GatewayError {
             GatewayError::HeaderTooLarge { .. } => "header_too_large",
             GatewayError::PayloadTooLarge { .. } => "body_too_large",
             GatewayError::NoEligibleTarget(_) => "no_eligible_target",
+            GatewayError::ResponseHomeUnavailable { .. } => "response_home_unavailable",
             GatewayError::Overloaded { .. } | GatewayError::BodiesOverBudget { .. } => "overloaded",
             GatewayError::UpstreamConnect { .. } => "upstream_connect",
             GatewayError::UpstreamBroken { .. } => "upstream_broken",

@@ -27,15 +27,19 @@ pub mod body;
 pub mod connection;
 pub mod error;
 pub mod framing;
+pub mod models;
 pub mod pool;
+mod responses;
 pub mod retry;
 pub mod upstream;
 
 use crate::fleet::ms_at;
 use crate::metrics::METRICS;
+use crate::prompt::responses::ResponseIdSniffer;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
-use crate::routing::{FleetView, RouteInput};
-use crate::runtime::{Route, RouteTable, Runtime};
+use crate::routing::responses::Pinned;
+use crate::routing::{FleetView, LeastLoad, RouteInput, Strategy};
+use crate::runtime::{Route, RouteTable, RouteTarget, Runtime};
 use admission::Admission;
 use async_trait::async_trait;
 use attempt::Attempt;
@@ -58,6 +62,8 @@ const RETRY_AFTER_SECS: &str = "1";
 #[derive(Debug, Default)]
 pub struct RequestCtx {
     started: Option<Instant>,
+    /// The API endpoint (`rolter_endpoint_requests_total{endpoint}`); "" if none matched.
+    endpoint: &'static str,
     route: Option<String>,
     target: Option<String>,
     strategy: &'static str,
@@ -81,10 +87,45 @@ struct Prepared<'a, 'c> {
     input: RouteInput<'a>,
     body: &'a mut framing::BodyBuf,
     charged: &'a mut admission::BodyBytes<'c>,
-    model_span: std::ops::Range<usize>,
+    /// Where the `model` value sits and how the target's replaces it.
+    model: ModelRewrite,
+    /// Learn the answer's response id (Responses API).
+    learn: bool,
     /// What the upstream is told about the client.
     client: upstream::ClientInfo,
     at: Instant,
+}
+
+/// The body's `model` value and what replaces it.
+#[derive(Debug, Clone)]
+enum ModelRewrite {
+    /// A JSON string literal at this span: the target's model as a JSON string.
+    Json(std::ops::Range<usize>),
+    /// A form field's raw value at this span: the target's model as is.
+    Raw(std::ops::Range<usize>),
+    /// No model in the body (a request naming a stored response): nothing replaced.
+    None,
+}
+
+impl ModelRewrite {
+    /// The span to replace and its replacement for `target`.
+    fn replacement<'t>(&self, target: &'t RouteTarget) -> (std::ops::Range<usize>, &'t [u8]) {
+        match self {
+            ModelRewrite::Json(span) => (span.clone(), target.upstream_model_json.as_bytes()),
+            ModelRewrite::Raw(span) => (span.clone(), target.upstream_model.as_bytes()),
+            ModelRewrite::None => (0..0, &[]),
+        }
+    }
+}
+
+/// The `endpoint` label of a request rolter answers itself.
+fn local_endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/health" => "health",
+        "/ready" => "ready",
+        "/metrics" => "metrics",
+        _ => "models",
+    }
 }
 
 /// The gateway application.
@@ -94,6 +135,8 @@ pub struct Gateway {
     admission: Admission,
     connections: Arc<connection::OpenConnections>,
     retry_budget: retry::RetryBudget,
+    /// What each target reports in its own `/v1/models` (kept across reloads).
+    models: models::ModelInfoCache,
 }
 
 impl Gateway {
@@ -110,6 +153,7 @@ impl Gateway {
             admission: Admission::new(),
             connections,
             retry_budget: retry::RetryBudget::default(),
+            models: Default::default(),
         }
     }
 
@@ -138,17 +182,24 @@ impl Gateway {
                 return Err(GatewayError::Unauthorized);
             }
         }
-        let endpoint = match path.as_str() {
-            "/v1/chat/completions" => Endpoint::Chat,
-            "/v1/completions" => Endpoint::Completions,
-            "/health" | "/ready" | "/metrics" | "/v1/models" => {
-                if method != http::Method::GET && method != http::Method::HEAD {
-                    return Err(GatewayError::MethodNotAllowed(method.to_string()));
+        let endpoint = match Endpoint::from_path(&path) {
+            Some(endpoint) => endpoint,
+            None => match path.as_str() {
+                "/health" | "/ready" | "/metrics" | "/v1/models" => {
+                    ctx.endpoint = local_endpoint_label(&path);
+                    if method != http::Method::GET && method != http::Method::HEAD {
+                        return Err(GatewayError::MethodNotAllowed(method.to_string()));
+                    }
+                    return self.serve_local(session, ctx, &path).await;
                 }
-                return self.serve_local(session, ctx, &path).await;
-            }
-            _ => return Err(GatewayError::NotFound(format!("no such endpoint: {path}"))),
+                p if p.starts_with(responses::BY_ID_PREFIX) => {
+                    ctx.endpoint = responses::BY_ID_LABEL;
+                    return self.response_by_id(session, ctx, &table, &method, p).await;
+                }
+                _ => return Err(GatewayError::NotFound(format!("no such endpoint: {path}"))),
+            },
         };
+        ctx.endpoint = endpoint.label();
         if method != http::Method::POST {
             return Err(GatewayError::MethodNotAllowed(method.to_string()));
         }
@@ -166,41 +217,70 @@ impl Gateway {
         .await?;
         // Held until the response ends, however it ends; taken once the body is in, so
         // slow senders cannot hold the slots (their memory is the byte budget's).
-        let _admitted =
-            self.admission
-                .try_admit(limits.max_inflight)
-                .ok_or(GatewayError::Overloaded {
-                    limit: limits.max_inflight,
-                })?;
+        let _admitted = self.admit(&table)?;
         ctx.body_bytes = body.len();
-        let parsed = prompt::RequestBody::parse(endpoint, body.body())
+        let headers = &session.req_header().headers;
+        // Read only where it matters (the boundary of a multipart form).
+        let content_type = endpoint
+            .is_form()
+            .then(|| headers.get(http::header::CONTENT_TYPE))
+            .flatten()
+            .map(|v| v.as_bytes());
+        let parsed = prompt::RequestBody::parse_with(endpoint, body.body(), content_type)
             .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
         ctx.stream = parsed.stream;
         let route = table.route(&parsed.model).ok_or_else(|| {
             GatewayError::NotFound(format!("The model '{}' does not exist", parsed.model))
         })?;
-        let prompt = if route.strategy.uses_prompt() {
+        ctx.route = Some(route.alias.clone());
+        let session_id = route
+            .strategy
+            .uses_session_id()
+            .then(|| headers.get(SESSION_ID_HEADER))
+            .flatten()
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        // Who decides: the target holding the response this one continues; for a
+        // pass-through endpoint (no prompt) the least loaded target, or the route's own
+        // strategy where it keeps sessions and the client names one; else the route's.
+        let keeps_session = session_id.is_some();
+        let pinned;
+        let strategy: &dyn Strategy = match parsed.previous_response_id.as_deref() {
+            Some(id) => match responses::home_in_route(&self.runtime, route, id)? {
+                Some(target) => {
+                    pinned = Pinned { target };
+                    &pinned
+                }
+                None => &*route.strategy,
+            },
+            None if !endpoint.has_prompt() && !keeps_session => &LeastLoad,
+            None => &*route.strategy,
+        };
+        let prompt = if strategy.uses_prompt() {
             parsed.prompt()
         } else {
             Vec::new()
         };
-        let model_span = parsed.model_span.clone();
+        let model = if parsed.model_is_json {
+            ModelRewrite::Json(parsed.model_span.clone())
+        } else {
+            ModelRewrite::Raw(parsed.model_span.clone())
+        };
+        let learn = endpoint == Endpoint::Responses;
         // The parsed messages (escaped text decoded into owned strings, non-text payloads
         // as JSON values) are not needed past this point: not held through the exchange.
         drop(parsed);
-        ctx.route = Some(route.alias.clone());
-        ctx.strategy = route.strategy.name();
-        let headers = &session.req_header().headers;
-        let header_ids = route
-            .strategy
+        ctx.strategy = strategy.name();
+        let header_ids = strategy
             .uses_token_ids()
             .then(|| headers.get(TOKEN_IDS_HEADER))
             .flatten()
             .and_then(|v| prompt::parse_token_ids(v.as_bytes()));
         // No ids header: the route's tokenizer computes vLLM's ids (large bodies off the
         // request loop); a failure routes without ids, as a missing header does.
+        let tokenizes = matches!(endpoint, Endpoint::Chat | Endpoint::Completions);
         let token_ids = match (header_ids, &route.tokenizer) {
-            (None, Some(tok)) if route.strategy.uses_token_ids() => {
+            (None, Some(tok)) if strategy.uses_token_ids() && tokenizes => {
                 match tok.ids(endpoint, body.body()).await {
                     Ok(ids) => Some(ids),
                     Err(e) => {
@@ -211,22 +291,10 @@ impl Gateway {
             }
             (ids, _) => ids,
         };
-        let session_id = route
-            .strategy
-            .uses_session_id()
-            .then(|| headers.get(SESSION_ID_HEADER))
-            .flatten()
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+        let session_id = session_id.filter(|_| strategy.uses_session_id());
         // One clock read serves the routing input and the first attempt.
         let at = Instant::now();
-        let client = upstream::ClientInfo {
-            x_forwarded_for: table.forwarding.x_forwarded_for,
-            addr: session
-                .client_addr()
-                .and_then(|a| a.as_inet())
-                .map(|a| a.ip().to_canonical()),
-        };
+        let client = self.client_info(session, &table);
         let request = Prepared {
             input: RouteInput {
                 prompt: &prompt,
@@ -236,11 +304,32 @@ impl Gateway {
             },
             body: &mut body,
             charged: &mut charged,
-            model_span,
+            model,
+            learn,
             client,
             at,
         };
-        self.forward(session, ctx, &table, route, request).await
+        self.forward(session, ctx, &table, route, strategy, request)
+            .await
+    }
+
+    /// A slot under `limits.max_inflight`, or 503.
+    fn admit(&self, table: &RouteTable) -> Result<admission::Admitted<'_>, GatewayError> {
+        let limit = table.limits.max_inflight;
+        self.admission
+            .try_admit(limit)
+            .ok_or(GatewayError::Overloaded { limit })
+    }
+
+    /// What the upstream is told about the client.
+    fn client_info(&self, session: &Session, table: &RouteTable) -> upstream::ClientInfo {
+        upstream::ClientInfo {
+            x_forwarded_for: table.forwarding.x_forwarded_for,
+            addr: session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip().to_canonical()),
+        }
     }
 
     /// Try the request on the strategy's choice, then, while an attempt fails before any
@@ -254,6 +343,7 @@ impl Gateway {
         ctx: &mut RequestCtx,
         table: &RouteTable,
         route: &Route,
+        strategy: &dyn Strategy,
         mut request: Prepared<'_, '_>,
     ) -> Result<(), GatewayError> {
         let retry = &table.retry;
@@ -270,7 +360,7 @@ impl Gateway {
                 candidates: &candidates,
                 excluded: &excluded,
             };
-            let Some(decision) = route.strategy.select(&request.input, &view) else {
+            let Some(decision) = strategy.select(&request.input, &view) else {
                 break;
             };
             let target = &route.targets[decision.target];
@@ -295,7 +385,7 @@ impl Gateway {
                 retry,
                 false,
             );
-            let attempt = Attempt::begin(route, &request.input, &view, decision, ticket);
+            let attempt = Attempt::begin(route, strategy, &request.input, &view, decision, ticket);
             let result = self
                 .exchange(session, table, &attempt, &mut request, blocked.is_none())
                 .await;
@@ -396,8 +486,7 @@ impl Gateway {
         retry_on_status: bool,
     ) -> Result<upstream::ExchangeOutcome, ExchangeError> {
         let target = attempt.target;
-        let model_span = &request.model_span;
-        let quoted_model = target.upstream_model_json.as_bytes();
+        let (model_span, model) = request.model.replacement(target);
         let auth = match (&target.authorization, &table.auth) {
             (Some(key), _) => upstream::UpstreamAuth::Replace(key.expose()),
             // The client's key was for rolter.
@@ -408,7 +497,7 @@ impl Gateway {
             session.req_header(),
             &target.host,
             &target.base_path,
-            request.body.len() - model_span.len() + quoted_model.len(),
+            request.body.len() - model_span.len() + model.len(),
             request.client,
             auth,
         );
@@ -425,13 +514,25 @@ impl Gateway {
         let out = upstream::Outgoing {
             body: &mut *request.body,
             head: &head,
-            model_span: model_span.clone(),
-            model: quoted_model,
+            model_span,
+            model,
             charge: &mut *request.charged,
         };
+        let learn = request.learn;
+        let responses = self.runtime.responses();
         let exchange = async {
             let answer = upstream::send(&self.pool, &up, session, out, attempt.started).await?;
-            upstream::relay(&self.pool, &up, session, answer).await
+            // A Responses answer's id is learnt as it passes: the replica holds it now.
+            // The answer's own framing decides how to read it, not what the client asked.
+            let mut sniffer = (learn && (200..300).contains(&answer.status))
+                .then(|| ResponseIdSniffer::new(answer.is_event_stream()));
+            let mut observe = |chunk: &[u8]| {
+                let found = sniffer.as_mut().and_then(|s| s.feed(chunk));
+                if let Some(id) = found {
+                    responses.learn(&id, target.state.label(), crate::fleet::now_ms());
+                }
+            };
+            upstream::relay(&self.pool, &up, session, answer, &mut observe).await
         };
         match attempt.route.total_timeout {
             None => exchange.await,
@@ -474,10 +575,21 @@ impl Gateway {
                     METRICS
                         .buffered_body_bytes
                         .set(self.admission.buffered() as i64);
+                    METRICS
+                        .response_ids
+                        .set(self.runtime.responses().len() as i64);
                 });
                 (200, "text/plain; version=0.0.4", Bytes::from(text))
             }
-            _ => (200, "application/json", self.runtime.table().models_json()),
+            _ => {
+                let table = self.runtime.table();
+                self.refresh_model_info(&table).await;
+                (
+                    200,
+                    "application/json",
+                    models::listing(&table, &self.models),
+                )
+            }
         };
         ctx.status = status;
         respond(session, status, content_type, body, &[]).await
@@ -615,9 +727,17 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) {
         let req = session.req_header();
+        let status = http::StatusCode::from_u16(ctx.status).ok();
+        crate::metrics::endpoint_answered(
+            if ctx.endpoint.is_empty() {
+                "unknown"
+            } else {
+                ctx.endpoint
+            },
+            status,
+        );
         // The status's own text (`StatusCode::as_str`): no per-request string.
         if !ctx.counted {
-            let status = http::StatusCode::from_u16(ctx.status).ok();
             METRICS
                 .requests
                 .with_label_values(&[
@@ -633,9 +753,10 @@ impl ProxyHttp for Gateway {
         let ms = ctx.started.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
         log::info!(
             target: "access",
-            "method={} path={} status={} route={} target={} strategy={} reason={} score={} attempts={} retried={} stream={} body_bytes={} error={} ms={:.2}",
+            "method={} path={} endpoint={} status={} route={} target={} strategy={} reason={} score={} attempts={} retried={} stream={} body_bytes={} error={} ms={:.2}",
             req.method,
             req.uri.path(),
+            if ctx.endpoint.is_empty() { "-" } else { ctx.endpoint },
             ctx.status,
             ctx.route.as_deref().unwrap_or("-"),
             ctx.target.as_deref().unwrap_or("-"),

@@ -286,6 +286,20 @@ pub struct Answer {
     pub ttfb: Duration,
 }
 
+impl Answer {
+    /// Whether the answer is an SSE stream (`Content-Type: text/event-stream`).
+    pub fn is_event_stream(&self) -> bool {
+        self.http
+            .resp_header()
+            .and_then(|h| h.headers.get(http::header::CONTENT_TYPE))
+            .is_some_and(|v| {
+                v.as_bytes()
+                    .get(..17)
+                    .is_some_and(|t| t.eq_ignore_ascii_case(b"text/event-stream"))
+            })
+    }
+}
+
 /// Send the request to the upstream and read its response head. The request's buffer and
 /// its charge are let go as soon as the head is in.
 pub async fn send(
@@ -331,13 +345,14 @@ pub async fn send(
     })
 }
 
-/// Relay an answer to `session`: its head, then its body as it arrives; the upstream
-/// connection goes back to the pool when the body ends.
+/// Relay an answer to `session`: its head, then its body as it arrives (each chunk shown
+/// to `observe` first); the upstream connection goes back to the pool when the body ends.
 pub async fn relay(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     answer: Answer,
+    observe: &mut (dyn FnMut(&[u8]) + Send),
 ) -> Result<ExchangeOutcome, ExchangeError> {
     let Answer {
         mut http,
@@ -365,6 +380,7 @@ pub async fn relay(
             Ok(None) => break,
             Err(e) => return Err(ExchangeError::Final(upstream_error(up.label, &e))),
         };
+        observe(&chunk);
         if http.is_body_done() {
             last = Some(chunk);
             break;
@@ -401,6 +417,44 @@ pub async fn relay(
         reused,
         finished,
     })
+}
+
+/// Send a small bodiless `request` (rolter's own, not a client's) and read the whole
+/// answer: its status and at most `max_bytes` of body (more is an error).
+pub async fn fetch_small(
+    pool: &UpstreamPool,
+    up: &Upstream<'_>,
+    request: &[u8],
+    max_bytes: usize,
+) -> Result<(u16, Vec<u8>), GatewayError> {
+    let unwrap = |e: ExchangeError| match e {
+        ExchangeError::Retryable(e, _) | ExchangeError::Final(e) => e,
+    };
+    let (mut http, _) = send_and_read_head(pool, up, request, Instant::now())
+        .await
+        .map_err(unwrap)?;
+    let status = http.resp_header().map_or(0, |h| h.status.as_u16());
+    let mut body = Vec::new();
+    while !http.is_body_done() {
+        match http.read_body_bytes().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() <= max_bytes => {
+                body.extend_from_slice(&chunk)
+            }
+            Ok(Some(_)) => {
+                return Err(GatewayError::UpstreamBroken {
+                    target: up.label.to_string(),
+                    reason: format!("answer over {max_bytes} bytes"),
+                })
+            }
+            Ok(None) => break,
+            Err(e) => return Err(upstream_error(up.label, &e)),
+        }
+    }
+    http.respect_keepalive();
+    if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
+        pool.put(idle, stream, up.idle_timeout, Instant::now());
+    }
+    Ok((status, body))
 }
 
 /// `work`, unless the client leaves first. Until the answer starts nothing is written to

@@ -12,6 +12,7 @@ pub mod lmcache;
 pub mod pipeline;
 pub mod placement;
 pub mod precise;
+pub mod responses;
 pub mod session;
 
 pub use baseline::{LeastLoad, RoundRobin};
@@ -19,6 +20,7 @@ pub use cache_aware::CacheAware;
 pub use lmcache::{LmcacheAware, LmcacheView};
 pub use pipeline::{Pipeline, PipelineWeights};
 pub use precise::{KvView, PreciseCacheAware};
+pub use responses::ResponseAffinity;
 pub use session::SessionTable;
 
 use crate::prefix::PrefixTrie;

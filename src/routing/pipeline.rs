@@ -196,7 +196,8 @@ impl Strategy for Pipeline {
         let Some(c) = fleet.candidates.get(target) else {
             return;
         };
-        if let Some(trie) = c.prefix {
+        // A pass-through request (embeddings, ...) keeps its session with no prompt.
+        if let (Some(trie), false) = (c.prefix, input.prompt.is_empty()) {
             trie.insert(input.prompt);
         }
         if let Some(session) = input.session_id {

@@ -16,7 +16,6 @@ use crate::fleet::lmcache::{LmcacheBoard, LmcacheEndpoint};
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{Registry, TargetKey};
 use crate::routing::{self, SessionTable, Strategy};
-use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -269,6 +268,7 @@ impl RouteTable {
                         host: up.host.clone(),
                         base_path: up.base_path.clone(),
                         upstream_model_json: crate::prompt::quote_model(&t.model),
+                        upstream_model: t.model.clone(),
                         weight: t.weight,
                         authorization: provider.authorization.clone(),
                         lmcache: lmcache.get(t.provider.as_str()).map(|e| e.status.clone()),
@@ -298,14 +298,6 @@ impl RouteTable {
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }
-        let mut aliases: Vec<&String> = routes.keys().collect();
-        aliases.sort();
-        let data: Vec<serde_json::Value> = aliases
-            .iter()
-            .map(|a| serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "rolter"}))
-            .collect();
-        let models_json =
-            Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
         let mut lmcache: Vec<Arc<LmcacheEndpoint>> = lmcache.into_values().collect();
         lmcache.sort_by(|a, b| a.provider.cmp(&b.provider));
         Ok(RouteTable {
@@ -316,7 +308,6 @@ impl RouteTable {
             forwarding: config.forwarding.clone(),
             retry: config.retry.clone(),
             auth,
-            models_json,
             egress,
             lmcache,
             kv,

@@ -25,6 +25,7 @@ use crate::egress::{EgressError, Resolver};
 use crate::fleet::probe::{ProviderEntry, Providers};
 use crate::fleet::{Registry, TargetKey};
 use crate::metrics::METRICS;
+use crate::routing::ResponseAffinity;
 use arc_swap::ArcSwap;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -71,6 +72,8 @@ pub enum LoadError {
 pub struct Runtime {
     table: ArcSwap<RouteTable>,
     registry: Registry,
+    /// Responses API ids → the target holding each; kept across reloads.
+    responses: ResponseAffinity,
     pub(crate) routes_path: PathBuf,
     ctx: LoadContext,
     /// The config the live table was built from (a discovery rebuild builds it again),
@@ -89,9 +92,12 @@ impl Runtime {
     pub fn load_with(path: &Path, ctx: LoadContext) -> Result<Self, LoadError> {
         let registry = Registry::default();
         let (config, table) = Self::read_table(path, &registry, &ctx)?;
+        let l = &table.limits;
+        let responses = ResponseAffinity::new(l.response_affinity_ttl_s, l.response_affinity_cap);
         Ok(Runtime {
             table: ArcSwap::from_pointee(table),
             registry,
+            responses,
             routes_path: path.to_path_buf(),
             ctx,
             config: parking_lot::Mutex::new(config),
@@ -116,6 +122,11 @@ impl Runtime {
     /// The current table (one atomic load; hold it for the whole request).
     pub fn table(&self) -> Arc<RouteTable> {
         self.table.load_full()
+    }
+
+    /// Where each known Responses API response lives (survives reloads).
+    pub fn responses(&self) -> &ResponseAffinity {
+        &self.responses
     }
 
     /// The per-target state registry.
@@ -210,6 +221,10 @@ impl Runtime {
             .map(|p| p.name.clone())
             .collect();
         let routes = table.routes.len();
+        self.responses.configure(
+            table.limits.response_affinity_ttl_s,
+            table.limits.response_affinity_cap,
+        );
         // The swap: requests that loaded the old table finish on it.
         let old = self.table.swap(Arc::new(table));
         // Held from dropping the removed state to dropping its series: a scrape exports

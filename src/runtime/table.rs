@@ -11,7 +11,6 @@ use crate::fleet::ms_at;
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{KvState, TargetKey, TargetState};
 use crate::routing::{Candidate, KvView, Strategy};
-use bytes::Bytes;
 use pingora::upstreams::peer::HttpPeer;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -32,6 +31,8 @@ pub struct RouteTarget {
     pub base_path: String,
     /// Model name sent upstream, as a JSON string literal (`prompt::quote_model`).
     pub upstream_model_json: String,
+    /// Model name sent upstream, as is (a multipart form field's value).
+    pub upstream_model: String,
     /// Configured weight.
     pub weight: u32,
     /// `Bearer <key>` sent as `Authorization` to this target's provider, in place of
@@ -129,7 +130,6 @@ pub struct RouteTable {
     pub retry: crate::config::RetryConfig,
     /// Client keys, when `[auth]` is on.
     pub auth: Option<super::auth::ClientAuth>,
-    pub(super) models_json: Bytes,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
     pub(super) kv: Vec<KvEntry>,
@@ -143,9 +143,11 @@ impl RouteTable {
         self.routes.get(alias)
     }
 
-    /// The `GET /v1/models` response body.
-    pub fn models_json(&self) -> Bytes {
-        self.models_json.clone()
+    /// Every route, in alias order (deterministic where several hold one target).
+    pub fn routes_by_alias(&self) -> impl Iterator<Item = &Arc<Route>> {
+        let mut routes: Vec<&Arc<Route>> = self.routes.values().collect();
+        routes.sort_by(|a, b| a.alias.cmp(&b.alias));
+        routes.into_iter()
     }
 
     /// The `discovery = "dns"` providers of this generation, with their addresses.

@@ -90,6 +90,10 @@ impl RouteTokenizer {
                 }
                 self.cached_encode(&text)
             }
+            other => Err(TokenizeError::Request(format!(
+                "no gateway-side tokenization for {}",
+                other.label()
+            ))),
         }
     }
 
@@ -195,6 +199,7 @@ mod tests {
                 let uncached = match endpoint {
                     Endpoint::Chat => tok.model().chat_ids(&body).unwrap(),
                     Endpoint::Completions => tok.model().completion_ids(&body).unwrap(),
+                    other => unreachable!("fixtures are chat or completions, not {other:?}"),
                 };
                 assert_eq!(uncached, want, "{label}: uncached ids");
                 assert_eq!(
