@@ -24,7 +24,8 @@ each request went and what it carried:
   `responses.stream()` helper: every turn reaches the replica holding the previous
   response, although the follow-up input is a long prompt the *other* replica has cached
   (a control request shows cache_aware would send it there otherwise);
-* responses.retrieve(id) reaches the holding replica, for ids of both replicas;
+* responses.retrieve(id) and responses.delete(id) reach the holding replica, for ids of
+  both replicas; an unknown id is a 404 (openai.NotFoundError);
 * embeddings.create (the SDK asks for base64 and decodes it; and floats): vectors back, the
   replica saw the rewritten model;
 * anthropic's messages.create, JSON and streamed: text back, the replica saw the rewritten
@@ -75,7 +76,8 @@ SERVED = "served-model"
 EMBED_DIM = 8
 # A follow-up turn's input: long enough (~1000 tokens at 4 bytes a token) that the replica
 # holding it in its prefix cache wins any cache_aware placement by far.
-LONG_INPUT = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(70))
+LONG_INPUT = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog."
+                      for i in range(70))
 
 
 def _noise(seed: str) -> str:
@@ -486,21 +488,19 @@ class SdkInteropTest(unittest.TestCase):
         return [n for n, r in self.replicas.items()
                 for q in r.requests(path) if q["path"] == path and pred(q["body"] or {})]
 
-    def start_away_from_long_input(self, client, tag: str) -> tuple[str, str]:
-        """Make LONG_INPUT cached on one replica (C) and open a conversation on the other.
+    def tempting_input(self, client, home: str, seed: str) -> str:
+        """A long prompt that the replica other than `home` has in its prefix cache.
 
-        Returns (first response id, C). The follow-ups then send LONG_INPUT, which
-        cache_aware would place on C; previous_response_id must win."""
-        warm = client.responses.create(model=ALIAS, input=LONG_INPUT)
-        cached_on = self.holder(warm.id)
+        A follow-up turn sending it is pulled towards that replica by cache_aware (see
+        test_control_long_input_follows_cache); its previous_response_id must win. Cold
+        long prompts (different from the first byte on) spread over both replicas by the
+        cold tie-break, so a few tries find one that lands away from home."""
         for i in range(32):
-            # Unrelated cold prompts (no shared prefix that a trie could follow), so the
-            # cold tie-break spreads them over both replicas.
-            first = client.responses.create(model=ALIAS, instructions=_noise(f"{tag}{i}"),
-                                            input=_noise(f"{tag} hello {i}"))
-            if self.holder(first.id) != cached_on:
-                return first.id, cached_on
-        self.skipTest("no cold first turn landed away from the cached prompt in 32 tries")
+            text = _noise(f"{seed} {i}") + " " + LONG_INPUT
+            warm = client.responses.create(model=ALIAS, input=text)
+            if self.holder(warm.id) != home:
+                return text
+        self.fail(f"no cold long prompt landed away from {home} in 32 tries")
 
     # -- tests ------------------------------------------------------------------------
 
@@ -516,21 +516,25 @@ class SdkInteropTest(unittest.TestCase):
         self.assertEqual(seen["headers"].get("authorization"), "Bearer x")
 
     def test_control_long_input_follows_cache(self) -> None:
-        """Without previous_response_id, LONG_INPUT goes where it is cached: the pull the
-        conversations below must resist is real."""
+        """Without previous_response_id, a long prompt goes where it is cached, whichever
+        replica that is: the pull the conversations below must resist is real."""
         client = self.client()
-        warm = client.responses.create(model=ALIAS, input=LONG_INPUT)
-        again = client.responses.create(model=ALIAS, input=LONG_INPUT)
-        self.assertEqual(self.holder(again.id), self.holder(warm.id))
+        for i in range(6):
+            text = _noise(f"control {i}") + " " + LONG_INPUT
+            warm = client.responses.create(model=ALIAS, input=text)
+            for _ in range(2):
+                again = client.responses.create(model=ALIAS, input=text)
+                self.assertEqual(self.holder(again.id), self.holder(warm.id))
 
     def test_conversation_previous_response_id(self) -> None:
         client = self.client()
-        prev, cached_on = self.start_away_from_long_input(client, "json")
+        prev = client.responses.create(model=ALIAS, instructions="Be brief.",
+                                       input=_noise("json turn 1")).id
         home = self.holder(prev)
-        self.assertNotEqual(home, cached_on)
         for turn in range(2, 6):
+            text = self.tempting_input(client, home, f"json turn {turn}")
             before = len(self.replicas[home].requests("/v1/responses"))
-            resp = client.responses.create(model=ALIAS, input=LONG_INPUT,
+            resp = client.responses.create(model=ALIAS, input=text,
                                            previous_response_id=prev)
             self.assertEqual(resp.status, "completed")
             self.assertEqual(self.holder(resp.id), home, f"turn {turn} left {home}")
@@ -545,11 +549,14 @@ class SdkInteropTest(unittest.TestCase):
 
     def test_conversation_previous_response_id_streamed(self) -> None:
         client = self.client()
-        prev, cached_on = self.start_away_from_long_input(client, "sse")
+        stream = client.responses.create(model=ALIAS, instructions="Be brief.",
+                                         input=_noise("sse turn 1"), stream=True)
+        with stream:
+            prev = [ev.response.id for ev in stream if ev.type == "response.completed"][0]
         home = self.holder(prev)
-        self.assertNotEqual(home, cached_on)
         for turn in range(2, 6):
-            stream = client.responses.create(model=ALIAS, input=LONG_INPUT,
+            text = self.tempting_input(client, home, f"sse turn {turn}")
+            stream = client.responses.create(model=ALIAS, input=text,
                                              previous_response_id=prev, stream=True)
             types, seqs, deltas, completed = [], [], [], None
             with stream:
@@ -574,7 +581,8 @@ class SdkInteropTest(unittest.TestCase):
         self.assertEqual(self.misrouted(), [])
         # rolter learnt the streamed ids too (from response.created): the SDK's stream helper
         # continues from the last one, and a retrieve finds it.
-        with client.responses.stream(model=ALIAS, input=LONG_INPUT,
+        text = self.tempting_input(client, home, "sse helper")
+        with client.responses.stream(model=ALIAS, input=text,
                                      previous_response_id=prev) as s:
             final = s.get_final_response()
         self.assertEqual(self.holder(final.id), home)
@@ -590,6 +598,7 @@ class SdkInteropTest(unittest.TestCase):
             seen_homes.setdefault(self.holder(r.id), r.id)
             if len(seen_homes) == 2:
                 break
+        self.assertEqual(len(seen_homes), 2, "cold prompts never reached both replicas")
         for home, rid in seen_homes.items():
             before = {n: len(r.requests("/v1/responses/")) for n, r in self.replicas.items()}
             got = client.responses.retrieve(rid)
@@ -599,6 +608,13 @@ class SdkInteropTest(unittest.TestCase):
             self.assertEqual(after[home], before[home] + 1, f"GET {rid} missed {home}")
             self.assertEqual(after[self.other(home)], before[self.other(home)])
             self.assertEqual(self.last_request(home, "/v1/responses/")["method"], "GET")
+        # DELETE reaches the holding replica too; the id then 404s there.
+        home, rid = next(iter(seen_homes.items()))
+        client.responses.delete(rid)
+        self.assertEqual(self.last_request(home, "/v1/responses/")["method"], "DELETE")
+        self.assertFalse(self.replicas[home].holds(rid))
+        with self.assertRaises(openai.NotFoundError):
+            client.responses.retrieve(rid)
         # An id rolter never saw: its own 404, which the SDK raises as NotFoundError.
         with self.assertRaises(openai.NotFoundError):
             client.responses.retrieve("resp_nowhere_1")
