@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian machine lacks to build and test rolter:
 #   cmake (pingora's zlib-ng build), a C and C++ toolchain (libzmq is built from source by
-#   the zmq crate), pkg-config, and for the Python
-#   interop tests python3 + msgspec, and systemd-analyze (package systemd) for the unit
+#   the zmq crate), pkg-config, for the Python interop tests python3 + msgspec (pyzmq,
+#   openai and anthropic optional), and systemd-analyze (package systemd) for the unit
 #   file check (tests/systemd.rs). Idempotent: installs only what is missing.
 set -euo pipefail
 
@@ -45,3 +45,11 @@ if ! python3 -c "import zmq" >/dev/null 2>&1; then
   echo "setup: installing pyzmq for the KV-event interop tests" >&2
   pip_install pyzmq || echo "setup: pyzmq unavailable; the interop test skips its live-socket part" >&2
 fi
+# openai, anthropic (optional): the official SDKs, driven through rolter by
+# tests/python/test_sdk_interop.py, which skips (saying why) without them.
+for mod in openai anthropic; do
+  if ! python3 -c "import $mod" >/dev/null 2>&1; then
+    echo "setup: installing $mod for the SDK interop tests" >&2
+    pip_install "$mod" || echo "setup: $mod unavailable; the SDK interop test skips its part" >&2
+  fi
+done
