@@ -402,19 +402,32 @@ pub fn resolve_checked(
     host: &str,
     port: u16,
 ) -> Result<Vec<IpAddr>, OutboundError> {
-    // A denied name is never even looked up.
+    let addrs = lookup_allowed_name(resolver, policy, host, port)?;
+    policy.check_resolved(host, &addrs)?;
+    Ok(addrs)
+}
+
+/// Look up a name the policy allows (a denied name is never even looked up); its
+/// addresses are not checked yet. No address at all is a resolution error.
+pub fn lookup_allowed_name(
+    resolver: &dyn Resolver,
+    policy: &EgressPolicy,
+    host: &str,
+    port: u16,
+) -> Result<Vec<IpAddr>, OutboundError> {
     policy.check_host(host)?;
-    let resolve_err = |reason: String| OutboundError::Resolve {
-        host: host.to_string(),
-        reason,
-    };
     let addrs = resolver
         .lookup(host, port)
-        .map_err(|e| resolve_err(e.to_string()))?;
+        .map_err(|e| OutboundError::Resolve {
+            host: host.to_string(),
+            reason: e.to_string(),
+        })?;
     if addrs.is_empty() {
-        return Err(resolve_err("no addresses".into()));
+        return Err(OutboundError::Resolve {
+            host: host.to_string(),
+            reason: "no addresses".into(),
+        });
     }
-    policy.check_resolved(host, &addrs)?;
     Ok(addrs)
 }
 

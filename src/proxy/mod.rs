@@ -203,21 +203,7 @@ impl Gateway {
         if method != http::Method::POST {
             return Err(GatewayError::MethodNotAllowed(method.to_string()));
         }
-        let limits = &table.limits;
-        // The body's buffer stays charged while it is kept: until the upstream's response
-        // header is in (`upstream::Outgoing`), or the request ends before that.
-        let mut charged = self.admission.body_bytes();
-        let mut body = body::read_body(
-            session,
-            limits.max_body_bytes,
-            Duration::from_millis(limits.client_body_timeout_ms),
-            &mut charged,
-            limits.max_buffered_body_bytes,
-        )
-        .await?;
-        // Held until the response ends, however it ends; taken once the body is in, so
-        // slow senders cannot hold the slots (their memory is the byte budget's).
-        let _admitted = self.admit(&table)?;
+        let (mut body, mut charged, _admitted) = self.read_and_admit(session, &table).await?;
         ctx.body_bytes = body.len();
         let headers = &session.req_header().headers;
         // Read only where it matters (the boundary of a multipart form).
@@ -311,6 +297,56 @@ impl Gateway {
         };
         self.forward(session, ctx, &table, route, strategy, request)
             .await
+    }
+
+    /// Read the request body under the table's limits, then take an admission slot. The
+    /// body's buffer stays charged while it is kept: until the upstream's response header
+    /// is in (`upstream::Outgoing`), or the request ends before that. The slot is held
+    /// until the response ends, however it ends; it is taken once the body is in, so slow
+    /// senders cannot hold the slots (their memory is the byte budget's).
+    async fn read_and_admit(
+        &self,
+        session: &mut Session,
+        table: &RouteTable,
+    ) -> Result<
+        (
+            framing::BodyBuf,
+            admission::BodyBytes<'_>,
+            admission::Admitted<'_>,
+        ),
+        GatewayError,
+    > {
+        let limits = &table.limits;
+        let mut charged = self.admission.body_bytes();
+        let body = body::read_body(
+            session,
+            limits.max_body_bytes,
+            Duration::from_millis(limits.client_body_timeout_ms),
+            &mut charged,
+            limits.max_buffered_body_bytes,
+        )
+        .await?;
+        let admitted = self.admit(table)?;
+        Ok((body, charged, admitted))
+    }
+
+    /// How `target` is reached: its peer, its pool of idle connections, its timeouts.
+    fn upstream_for<'t>(
+        &self,
+        table: &RouteTable,
+        target: &'t RouteTarget,
+        retry_on_status: bool,
+    ) -> Upstream<'t> {
+        Upstream {
+            peer: &target.peer,
+            idle: target
+                .idle
+                .get_or_init(|| self.pool.stack_for(&target.peer))
+                .as_deref(),
+            label: target.state.label(),
+            idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
+            retry_on_status,
+        }
     }
 
     /// A slot under `limits.max_inflight`, or 503.
@@ -501,16 +537,7 @@ impl Gateway {
             request.client,
             auth,
         );
-        let up = Upstream {
-            peer: &target.peer,
-            idle: target
-                .idle
-                .get_or_init(|| self.pool.stack_for(&target.peer))
-                .as_deref(),
-            label: target.state.label(),
-            idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
-            retry_on_status,
-        };
+        let up = self.upstream_for(table, target, retry_on_status);
         let out = upstream::Outgoing {
             body: &mut *request.body,
             head: &head,

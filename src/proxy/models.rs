@@ -9,7 +9,7 @@
 //! first known. A target that says nothing leaves the fields out.
 //! Must not: decide routes, or hold anything the request path reads.
 
-use super::upstream::{self, Upstream};
+use super::upstream;
 use super::Gateway;
 use crate::runtime::{RouteTable, RouteTarget};
 use bytes::Bytes;
@@ -153,16 +153,7 @@ impl Gateway {
             "GET {}/v1/models HTTP/1.1\r\nhost: {}\r\naccept: application/json\r\n{auth}content-length: 0\r\n\r\n",
             target.base_path, target.host
         );
-        let up = Upstream {
-            peer: &target.peer,
-            idle: target
-                .idle
-                .get_or_init(|| self.pool.stack_for(&target.peer))
-                .as_deref(),
-            label: target.state.label(),
-            idle_timeout: Duration::from_millis(table.limits.upstream_idle_timeout_ms),
-            retry_on_status: false,
-        };
+        let up = self.upstream_for(table, target, false);
         let (status, body) =
             upstream::fetch_small(&self.pool, &up, request.as_bytes(), MAX_ANSWER_BYTES)
                 .await

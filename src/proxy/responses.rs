@@ -7,13 +7,13 @@
 //! error naming it (503), never a silent other replica; an unknown id in a path is 404.
 
 use super::error::GatewayError;
-use super::{body, Gateway, ModelRewrite, Prepared, RequestCtx};
+use super::{Gateway, ModelRewrite, Prepared, RequestCtx};
 use crate::fleet::{ms_at, now_ms};
 use crate::routing::responses::Pinned;
 use crate::routing::RouteInput;
 use crate::runtime::{Route, RouteTable, Runtime};
 use pingora::proxy::Session;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Paths naming a stored response start with this.
 pub(super) const BY_ID_PREFIX: &str = "/v1/responses/";
@@ -109,17 +109,7 @@ impl Gateway {
         }
         let (route, target) = home_anywhere(&self.runtime, table, id)?;
         ctx.route = Some(route.alias.clone());
-        let limits = &table.limits;
-        let mut charged = self.admission.body_bytes();
-        let mut body = body::read_body(
-            session,
-            limits.max_body_bytes,
-            Duration::from_millis(limits.client_body_timeout_ms),
-            &mut charged,
-            limits.max_buffered_body_bytes,
-        )
-        .await?;
-        let _admitted = self.admit(table)?;
+        let (mut body, mut charged, _admitted) = self.read_and_admit(session, table).await?;
         ctx.body_bytes = body.len();
         let pinned = Pinned { target };
         ctx.strategy = crate::routing::Strategy::name(&pinned);

@@ -19,7 +19,7 @@
 //! denies (each address is checked; a denied one is left out and logged).
 
 use super::Runtime;
-use crate::egress::{EgressPolicy, OutboundError, Resolver};
+use crate::egress::{self, EgressPolicy, OutboundError, Resolver};
 use crate::metrics::METRICS;
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
@@ -91,14 +91,7 @@ pub fn resolve(
     host: &str,
     port: u16,
 ) -> Result<Vec<IpAddr>, OutboundError> {
-    policy.check_host(host)?;
-    let resolve_err = |reason: String| OutboundError::Resolve {
-        host: host.to_string(),
-        reason,
-    };
-    let found = resolver
-        .lookup(host, port)
-        .map_err(|e| resolve_err(e.to_string()))?;
+    let found = egress::lookup_allowed_name(resolver, policy, host, port)?;
     let mut allowed = Vec::with_capacity(found.len());
     let mut denied = None;
     for ip in found {
@@ -111,9 +104,13 @@ pub fn resolve(
         }
     }
     if allowed.is_empty() {
+        // Every address was denied (the lookup found at least one).
         return Err(match denied {
             Some(e) => OutboundError::Egress(e),
-            None => resolve_err("no addresses".into()),
+            None => OutboundError::Resolve {
+                host: host.to_string(),
+                reason: "no addresses".into(),
+            },
         });
     }
     allowed.sort_unstable();
