@@ -790,3 +790,41 @@ async fn the_answer_s_own_framing_decides_how_its_response_id_is_read() {
     assert_eq!(failed.status, 500);
     assert_eq!(gw.metric("rolter_response_affinity_ids").await, Some(1.0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_home_s_own_answer_reaches_the_client_with_no_retry() {
+    let (a, b) = (
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    );
+    let gw = Gateway::start(&routes_toml(&[a.url(), b.url()], "least_load", "")).await;
+    let first = post(&gw, "/v1/responses", &responses_body("hi", None, false)).await;
+    let home = first.stub.clone().unwrap();
+    let id = response_id(&first.body, false);
+    let (home_stub, other) = if home == "a" { (&a, &b) } else { (&b, &a) };
+    home_stub.set_behaviour(Behaviour {
+        status: 503,
+        ..Default::default()
+    });
+    let other_served = other.served();
+    // Only the home holds the response, so a 503 from it cannot be replaced by another
+    // attempt: it is relayed as the replica sent it, and no retry is spent.
+    let r = post(
+        &gw,
+        "/v1/responses",
+        &responses_body("again", Some(&id), false),
+    )
+    .await;
+    assert_eq!((r.status, r.stub.as_deref()), (503, Some(home.as_str())));
+    assert!(
+        r.body.contains(&format!("stub {home} failing")),
+        "{}",
+        r.body
+    );
+    assert_eq!(other.served(), other_served, "another replica was asked");
+    let retries = gw
+        .metric("rolter_retries_total{reason=\"503\",route=\"alias\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(retries, 0.0);
+}

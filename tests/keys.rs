@@ -94,14 +94,40 @@ async fn each_upstream_sees_only_its_own_key_and_wrong_client_keys_get_401() {
         .await;
         assert_eq!(status, 200, "{body}");
     }
+    // Anthropic's SDK sends its key as x-api-key: admitted, and not forwarded either.
+    for i in 0..2 {
+        let (status, _, body) = post_chat_with(
+            &gw,
+            chat_body("alias", &format!("x{i}"), false),
+            &[("x-api-key", CLIENT_ENV_KEY)],
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (status, _, _) = post_chat_with(
+        &gw,
+        chat_body("alias", "both", false),
+        &[
+            ("authorization", &format!("Bearer {CLIENT_FILE_KEY}")),
+            ("x-api-key", CLIENT_FILE_KEY),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let mut seen = 0;
     for (stub, own) in [(&a, UPSTREAM_A), (&b, UPSTREAM_B)] {
         let recorded = stub.recorded();
-        assert_eq!(recorded.len(), 2);
+        seen += recorded.len();
         for r in recorded {
             let values: Vec<_> = r.headers.get_all("authorization").iter().collect();
             assert_eq!(values, [format!("Bearer {own}").as_str()]);
+            assert!(
+                r.headers.get("x-api-key").is_none(),
+                "a client key went upstream"
+            );
         }
     }
+    assert_eq!(seen, 7);
 
     let served = a.served() + b.served();
     for auth in [Some("Bearer sk-wrong"), Some(UPSTREAM_A), None] {

@@ -173,11 +173,7 @@ impl Gateway {
                 "/metrics" => auth.protect_metrics,
                 _ => true,
             };
-            let presented = session
-                .req_header()
-                .headers
-                .get(http::header::AUTHORIZATION);
-            if protected && !auth.admits(presented) {
+            if protected && !auth.admits_request(&session.req_header().headers) {
                 METRICS.auth_failures.inc();
                 return Err(GatewayError::Unauthorized);
             }
@@ -412,15 +408,8 @@ impl Gateway {
             // Whether a failure of this attempt could be followed by another: decided
             // before it starts, so that a 502/503 answer is kept from the client only
             // when another attempt will (most likely) replace it.
-            let blocked = self.retry_blocker(
-                ctx.attempts,
-                excluded.len() + 1,
-                route,
-                now,
-                deadline,
-                retry,
-                false,
-            );
+            let others = strategy.fails_over() && view.eligible().any(|i| i != decision.target);
+            let blocked = self.retry_blocker(ctx.attempts, others, now, deadline, retry, false);
             let attempt = Attempt::begin(route, strategy, &request.input, &view, decision, ticket);
             let result = self
                 .exchange(session, table, &attempt, &mut request, blocked.is_none())
@@ -445,15 +434,8 @@ impl Gateway {
                 }
                 Err(ExchangeError::Retryable(e, reason)) => {
                     excluded.push(decision.target);
-                    let refused = self.retry_blocker(
-                        ctx.attempts,
-                        excluded.len(),
-                        route,
-                        now,
-                        deadline,
-                        retry,
-                        true,
-                    );
+                    let refused =
+                        self.retry_blocker(ctx.attempts, others, now, deadline, retry, true);
                     if let Some(why) = refused {
                         log::warn!("{e}; not retried ({why})");
                         route.metrics.retry_refused(why);
@@ -479,15 +461,14 @@ impl Gateway {
         Err(last_error.unwrap_or_else(|| GatewayError::NoEligibleTarget(route.alias.clone())))
     }
 
-    /// Why no retry may follow attempt number `attempts` once `tried` targets have been
-    /// tried, at `now` (a label for `rolter_retries_refused_total{reason}`), or `None`
-    /// when one may: then, if `withdraw`, it is taken from the budget.
-    #[allow(clippy::too_many_arguments)]
+    /// Why no retry may follow attempt number `attempts` at `now` (a label for
+    /// `rolter_retries_refused_total{reason}`), `others` saying whether an eligible target
+    /// not tried yet is left and the strategy may go there; or `None` when one may: then,
+    /// if `withdraw`, it is taken from the budget.
     fn retry_blocker(
         &self,
         attempts: usize,
-        tried: usize,
-        route: &Route,
+        others: bool,
         now: Instant,
         deadline: Instant,
         retry: &crate::config::RetryConfig,
@@ -496,7 +477,7 @@ impl Gateway {
         if attempts > retry.retries as usize {
             return Some("attempts");
         }
-        if tried >= route.targets.len() {
+        if !others {
             return Some("no_target");
         }
         // The back-off must end before the deadline too.

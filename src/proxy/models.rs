@@ -15,6 +15,8 @@ use crate::runtime::{RouteTable, RouteTarget};
 use bytes::Bytes;
 use dashmap::DashMap;
 use serde::Deserialize;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a target's answer is used before it is asked again.
@@ -64,10 +66,23 @@ pub fn parse_model_list(body: &[u8], model: &str) -> Option<ModelInfo> {
     })
 }
 
-/// Target label → when it was asked, and what it said.
+/// Target label → when it was asked, and what it said; entries of targets no longer in
+/// the table are dropped at the next refresh (discovered addresses come and go).
 #[derive(Default)]
 pub struct ModelInfoCache {
     by_target: DashMap<String, (Instant, Option<ModelInfo>)>,
+    /// Set while one listing refreshes; concurrent listings answer from the cache.
+    refreshing: AtomicBool,
+}
+
+/// Clears [`ModelInfoCache::refreshing`] however the refresh ends (a client that goes
+/// away drops the future).
+struct Refreshing<'a>(&'a AtomicBool);
+
+impl Drop for Refreshing<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl ModelInfoCache {
@@ -113,6 +128,17 @@ pub fn listing(table: &RouteTable, cache: &ModelInfoCache) -> Bytes {
 impl Gateway {
     /// Ask every due, eligible target for its `/v1/models`, within [`FETCH_BUDGET`].
     pub(super) async fn refresh_model_info(&self, table: &RouteTable) {
+        if self.models.refreshing.swap(true, Ordering::Acquire) {
+            return;
+        }
+        let _refreshing = Refreshing(&self.models.refreshing);
+        let live: HashSet<&str> = table
+            .routes_by_alias()
+            .flat_map(|r| r.targets.iter().map(|t| t.state.label()))
+            .collect();
+        self.models
+            .by_target
+            .retain(|label, _| live.contains(label.as_str()));
         let started = Instant::now();
         let now_ms = crate::fleet::ms_at(started);
         for route in table.routes_by_alias() {

@@ -13,6 +13,7 @@ use super::framing::BodyBuf;
 use super::pool::{IdleStack, UpstreamPool};
 use super::retry::RetryReason;
 use crate::config::XForwardedFor;
+use crate::runtime::auth::X_API_KEY;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::v1::client::HttpSession;
 use pingora::protocols::Stream;
@@ -107,7 +108,8 @@ pub struct ClientInfo {
     pub addr: Option<IpAddr>,
 }
 
-/// What the upstream gets as `Authorization`.
+/// What the upstream gets as `Authorization` (the client's `x-api-key` goes with the
+/// client's `Authorization`: forwarded only under `Forward`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UpstreamAuth<'a> {
     /// The client's header, as sent (no provider key, no `[auth]`).
@@ -218,7 +220,8 @@ pub fn encode_head(
         if hop.contains(name) {
             continue;
         }
-        if name == "authorization" && auth != UpstreamAuth::Forward {
+        // The client's key (OpenAI's or Anthropic's header) was for rolter or is replaced.
+        if (name == "authorization" || name == X_API_KEY) && auth != UpstreamAuth::Forward {
             continue;
         }
         if rewrite_xff && name == X_FORWARDED_FOR {

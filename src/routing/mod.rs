@@ -192,6 +192,13 @@ pub trait Strategy: Send + Sync {
         false
     }
 
+    /// Whether a failed attempt may go to another target. A strategy bound to one target
+    /// (a stored response's replica) says no, so its failures are not held back for a
+    /// retry that could not happen. Default: yes.
+    fn fails_over(&self) -> bool {
+        true
+    }
+
     /// Learn from a request routed to `decision.target`; called once the decision is made,
     /// before the request is sent (the replica starts computing the prefix as soon as it
     /// admits the request, and the next request must already see that). Default: nothing.

@@ -86,6 +86,10 @@ impl Strategy for Pinned {
         false
     }
 
+    fn fails_over(&self) -> bool {
+        false
+    }
+
     fn select(&self, _input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
         fleet
             .eligible()

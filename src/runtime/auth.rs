@@ -10,6 +10,9 @@ use super::LoadError;
 use crate::config::{check_api_key, AuthConfig, Secret};
 use std::collections::HashSet;
 
+/// The header Anthropic's API (and its SDK) carries the client's key in.
+pub const X_API_KEY: &str = "x-api-key";
+
 /// The accepted client keys and what they protect.
 pub struct ClientAuth {
     /// Hashed with std's randomly keyed SipHash: a lookup's timing tells an attacker
@@ -89,6 +92,16 @@ impl ClientAuth {
         })
     }
 
+    /// Whether a request's headers carry an accepted key: `Authorization: Bearer <key>`
+    /// (OpenAI's SDKs) or `x-api-key: <key>` (Anthropic's).
+    pub fn admits_request(&self, headers: &http::HeaderMap) -> bool {
+        self.admits(headers.get(http::header::AUTHORIZATION))
+            || headers
+                .get(X_API_KEY)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|key| self.keys.contains(key.trim()))
+    }
+
     /// Whether an `Authorization` header value carries an accepted key
     /// (`Bearer <key>`, the scheme in any case).
     pub fn admits(&self, authorization: Option<&http::HeaderValue>) -> bool {
@@ -162,6 +175,11 @@ mod tests {
             assert!(!auth.admits(Some(&header(bad))), "{bad}");
         }
         assert!(!auth.admits(None));
+        let mut headers = http::HeaderMap::new();
+        headers.insert(X_API_KEY, header("sk-env-1"));
+        assert!(auth.admits_request(&headers));
+        headers.insert(X_API_KEY, header("Bearer sk-env-1"));
+        assert!(!auth.admits_request(&headers));
         let shown = format!("{auth:?}");
         assert!(!shown.contains("sk-"), "{shown}");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -148,11 +148,19 @@ impl BackgroundService for DiscoveryService {
                     Ok(Ok(addrs)) => {
                         let (runtime, found) = (runtime.clone(), d.clone());
                         let applied = tokio::task::spawn_blocking(move || {
-                            runtime.apply_discovered(&found.name, &found.host, found.port, &addrs)
+                            runtime.apply_discovered(
+                                &found.name,
+                                &found.host,
+                                found.port,
+                                &found.addrs,
+                                &addrs,
+                            )
                         })
                         .await;
                         match applied {
-                            Ok(Ok(_)) => "changed",
+                            Ok(Ok(true)) => "changed",
+                            // A reload installed a newer set meanwhile.
+                            Ok(Ok(false)) => "unchanged",
                             Ok(Err(e)) => {
                                 log::error!(
                                     "discovery: {}: new addresses not applied: {e}",

@@ -160,14 +160,16 @@ impl Runtime {
         Ok(())
     }
 
-    /// DNS discovery found `addrs` for provider `name` (resolving `host`, port `port`):
-    /// rebuild the live config with them and swap the table in, as a reload does.
-    /// Returns false (nothing done) if a reload changed the provider meanwhile.
+    /// DNS discovery found `addrs` for provider `name` (resolving `host`, port `port`),
+    /// in place of `seen`, the set it compared them with: rebuild the live config with
+    /// them and swap the table in, as a reload does. Returns false (nothing done) if a
+    /// reload changed the provider or its set meanwhile (a newer resolution is live).
     pub fn apply_discovered(
         &self,
         name: &str,
         host: &str,
         port: u16,
+        seen: &[std::net::IpAddr],
         addrs: &[std::net::IpAddr],
     ) -> Result<bool, LoadError> {
         let live = self.config.lock();
@@ -175,7 +177,7 @@ impl Runtime {
         if !current
             .discovered()
             .iter()
-            .any(|d| d.name == name && d.host == host && d.port == port)
+            .any(|d| d.name == name && d.host == host && d.port == port && d.addrs == seen)
         {
             return Ok(false);
         }

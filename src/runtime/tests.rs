@@ -339,7 +339,13 @@ fn an_address_discovery_drops_loses_its_state_and_every_series() {
         .contains(gone));
 
     assert!(rt
-        .apply_discovered("dnsd", "fleet.test", 8000, &[ip("127.0.0.1")])
+        .apply_discovered(
+            "dnsd",
+            "fleet.test",
+            8000,
+            &[ip("127.0.0.1"), ip("127.0.0.2")],
+            &[ip("127.0.0.1")]
+        )
         .unwrap());
     assert!(goes.is_retired() && !stays.is_retired());
     assert!(
@@ -353,9 +359,26 @@ fn an_address_discovery_drops_loses_its_state_and_every_series() {
         text.contains("rolter_discovered_addresses{provider=\"dnsd\"} 1"),
         "{text}"
     );
-    // Another port or host than the table's: nothing done (a reload changed it).
+    // Another port or host than the table's, or a set compared with an older one than
+    // the live set: nothing done (a reload changed it).
     assert!(!rt
-        .apply_discovered("dnsd", "other.test", 8000, &[ip("127.0.0.3")])
+        .apply_discovered(
+            "dnsd",
+            "other.test",
+            8000,
+            &[ip("127.0.0.1")],
+            &[ip("127.0.0.3")]
+        )
         .unwrap());
+    assert!(!rt
+        .apply_discovered(
+            "dnsd",
+            "fleet.test",
+            8000,
+            &[ip("127.0.0.1"), ip("127.0.0.2")],
+            &[ip("127.0.0.3")]
+        )
+        .unwrap());
+    assert_eq!(rt.table().discovered()[0].addrs, vec![ip("127.0.0.1")]);
     let _ = std::fs::remove_dir_all(&dir);
 }
