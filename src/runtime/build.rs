@@ -46,13 +46,16 @@ impl Default for LoadContext {
 }
 
 /// Where a build takes the addresses of `discovery = "dns"` providers from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum DnsSource {
+#[derive(Clone, Copy)]
+pub(super) enum DnsSource<'a> {
     /// Resolve every name now (a load or reload); a name that does not resolve keeps its
     /// last good set from the [`DnsBoard`] (none yet: no targets until it resolves).
     Resolve,
-    /// The board as it stands (a rebuild after the discovery service updated it).
-    Board,
+    /// The board as it stands (a rebuild after the discovery service updated it), from
+    /// the same config as this live table: its client keys and route tokenizers are
+    /// reused rather than read from disk again (their files may be mid-edit, and a
+    /// tokenizer's cache of earlier turns stays warm).
+    Board(&'a RouteTable),
 }
 
 /// One upstream address a provider stands for: the provider itself (static), or one
@@ -88,7 +91,7 @@ impl RouteTable {
         origin: &str,
         registry: &Registry,
         ctx: &LoadContext,
-        dns: DnsSource,
+        dns: DnsSource<'_>,
     ) -> Result<Self, LoadError> {
         let limits = config.limits.clone();
         // The config was validated: every `[egress]` entry compiles.
@@ -97,11 +100,14 @@ impl RouteTable {
         // addresses, secrets from the environment and key files), touching no state that
         // outlives this call, so a rejected reload leaves the registry and the boards
         // exactly as they were.
-        let auth = config
-            .auth
-            .as_ref()
-            .map(|a| ClientAuth::load(a, origin))
-            .transpose()?;
+        let auth = match dns {
+            DnsSource::Board(live) => live.auth.clone(),
+            DnsSource::Resolve => config
+                .auth
+                .as_ref()
+                .map(|a| ClientAuth::load(a, origin).map(Arc::new))
+                .transpose()?,
+        };
         let mut resolved = Vec::with_capacity(config.providers.len());
         let mut discovered = Vec::new();
         for (index, p) in config.providers.iter().enumerate() {
@@ -167,8 +173,13 @@ impl RouteTable {
         let base = Path::new(origin).parent().unwrap_or(Path::new(""));
         let mut tokenizers = Vec::with_capacity(config.routes.len());
         for (index, r) in config.routes.iter().enumerate() {
+            let live = match dns {
+                DnsSource::Board(live) => live.route(&r.model).and_then(|r| r.tokenizer.clone()),
+                DnsSource::Resolve => None,
+            };
             let tok = match &r.tokenizer {
                 None => None,
+                Some(_) if live.is_some() => live,
                 Some(dir) => Some(Arc::new(
                     crate::tokenize::RouteTokenizer::load(&base.join(dir), r.tokenizer_cache_bytes)
                         .map_err(|error| LoadError::Tokenizer {
@@ -375,7 +386,7 @@ fn discover_provider(
     index: usize,
     ctx: &LoadContext,
     policy: &EgressPolicy,
-    source: DnsSource,
+    source: DnsSource<'_>,
 ) -> Result<(ResolvedProvider, Vec<IpAddr>), LoadError> {
     let uri: http::Uri = p.api_base.parse().expect("validated api_base");
     let authority = uri.authority().expect("validated api_base");
@@ -394,7 +405,7 @@ fn discover_provider(
     };
     let last_good = || ctx.dns.get(&p.name, &host, port).unwrap_or_default();
     let addrs = match source {
-        DnsSource::Board => last_good(),
+        DnsSource::Board(_) => last_good(),
         DnsSource::Resolve => {
             match discovery::resolve(ctx.resolver.as_ref(), policy, &host, port) {
                 Ok(addrs) => addrs,

@@ -189,7 +189,7 @@ impl Runtime {
             &origin,
             &self.registry,
             &self.ctx,
-            build::DnsSource::Board,
+            build::DnsSource::Board(&current),
         ) {
             Ok(table) => table,
             Err(e) => {

@@ -129,7 +129,7 @@ pub struct RouteTable {
     /// Retries and their budget.
     pub retry: crate::config::RetryConfig,
     /// Client keys, when `[auth]` is on.
-    pub auth: Option<super::auth::ClientAuth>,
+    pub auth: Option<Arc<super::auth::ClientAuth>>,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
     pub(super) kv: Vec<KvEntry>,

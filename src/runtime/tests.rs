@@ -382,3 +382,54 @@ fn an_address_discovery_drops_loses_its_state_and_every_series() {
     assert_eq!(rt.table().discovered()[0].addrs, vec![ip("127.0.0.1")]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A discovery rebuild reuses the live table's route tokenizers and client keys (same
+/// config): nothing is read from disk again, and the tokenizer's cache stays warm.
+#[test]
+fn a_discovery_rebuild_keeps_the_tokenizer_and_client_keys() {
+    let resolver = Arc::new(StaticResolver::default());
+    resolver.set("fleet.test", &[ip("127.0.0.1")]);
+    let ctx = LoadContext {
+        resolver,
+        ..Default::default()
+    };
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/llama3")
+        .display()
+        .to_string();
+    let (dir, path) = routes_file(
+        "dns-keep",
+        &dns_routes("dnsk", "tcp://{ip}:5557").replace(
+            "strategy = \"round_robin\"\n",
+            &format!("strategy = \"precise_cache_aware\"\ntokenizer = \"{fixture}\"\n"),
+        ),
+    );
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "sk-client\n").unwrap();
+    let text = std::fs::read_to_string(&path).unwrap()
+        + &format!("[auth]\nkeys_file = \"{}\"\n", keys.display());
+    std::fs::write(&path, text).unwrap();
+    let rt = Runtime::load_with(&path, ctx).unwrap();
+    let before = rt.table();
+    let tok = before.route("alias").unwrap().tokenizer.clone().unwrap();
+    let auth = before.auth.clone().unwrap();
+    // The key file goes away: a rebuild must not need it.
+    std::fs::remove_file(&keys).unwrap();
+    assert!(rt
+        .apply_discovered(
+            "dnsk",
+            "fleet.test",
+            8000,
+            &[ip("127.0.0.1")],
+            &[ip("127.0.0.1"), ip("127.0.0.2")]
+        )
+        .unwrap());
+    let after = rt.table();
+    assert_eq!(after.route("alias").unwrap().targets.len(), 2);
+    assert!(Arc::ptr_eq(
+        &tok,
+        after.route("alias").unwrap().tokenizer.as_ref().unwrap()
+    ));
+    assert!(Arc::ptr_eq(&auth, after.auth.as_ref().unwrap()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
