@@ -8,6 +8,7 @@
 #       events: the decision falls back, but every request is rendered and tokenized as
 #       the gateway does for a client that sends no token ids; issue 23)
 # for 4 KiB and 32 KiB chat bodies at 64 connections, with the same load generator (wrk)
+# (then 128 KiB and 512 KiB conversations that grow turn by turn, loadtest/growth.lua)
 # and the same fast upstream (rolter-stub). Reports requests/s, p50/p99 latency, CPU
 # seconds per 10k requests of the proxy process(es), upstream connection reuse, and the
 # ratios c/b and d/b, into loadtest/reports/overhead.md. Then drives 1M requests of
@@ -30,7 +31,8 @@
 # gateways, default "warn": no per-request access line, like nginx's access_log off;
 # "info" measures with rolter's access log on), TOKENIZER (the Hugging Face tokenizer
 # directory of path (e), default the Llama-3-style fixture tests/fixtures/tokenizer/llama3;
-# empty skips (e)).
+# empty skips (e)), GROWTH_SIZES (body sizes of the growing-conversation runs, default
+# "131072 524288"; empty skips them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=loadtest/stub-gateway.sh
@@ -43,6 +45,7 @@ ROLTER_LOG=${ROLTER_LOG:-warn}
 OUT=${OUT:-loadtest/reports/overhead.md}
 PACE_MS=${PACE_MS:-10}
 TOKENIZER=${TOKENIZER-$PWD/tests/fixtures/tokenizer/llama3}
+GROWTH_SIZES=${GROWTH_SIZES-131072 524288}
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
@@ -84,7 +87,7 @@ error_log $WORK/nginx-error.log warn;
 events { worker_connections 4096; }
 http {
   access_log off;
-  client_body_buffer_size 64k;
+  client_body_buffer_size 1m;
   client_max_body_size 4m;
   client_body_temp_path $WORK/body;
   proxy_temp_path $WORK/proxy;
@@ -127,6 +130,7 @@ NGINX_PIDS="$NGINX_MASTER $(pgrep -P "$NGINX_MASTER" | tr '\n' ' ')"
 
 # wrk script: bodies of BODY_BYTES bytes, 64 conversations sharing a system prompt.
 cp loadtest/chat.lua "$WORK/post.lua"
+cp loadtest/growth.lua "$WORK/growth.lua"
 
 cpu_ticks() { # "utime stime" summed over pids
   local u=0 s=0 p
@@ -139,12 +143,15 @@ cpu_ticks() { # "utime stime" summed over pids
 }
 HZ=$(getconf CLK_TCK)
 declare -A RPS P50 P99 CPU USR
-run() { # label port size pace pids...   (pace: think time in ms per connection, 0 = closed loop)
+run() { # label port size pace pids...   (pace: think time in ms per connection, 0 = closed loop;
+  #                                       size gN: growing conversations of about N bytes)
   local label=$1 port=$2 size=$3 pace=$4; shift 4
-  local before after out rps p50 p99 reqs u0 s0 u1 s1
+  local before after out rps p50 p99 reqs u0 s0 u1 s1 script=post.lua bytes
   if [ "$pace" -gt 0 ]; then size="${size}p"; fi
+  bytes=${size%p}
+  if [ "${bytes#g}" != "$bytes" ]; then script=growth.lua; bytes=${bytes#g}; fi
   read -r u0 s0 < <(cpu_ticks "$@")
-  out=$(PACE_MS=$pace BODY_BYTES=${size%p} wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/post.lua" "http://127.0.0.1:$port" 2>&1)
+  out=$(PACE_MS=$pace BODY_BYTES=$bytes wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/$script" "http://127.0.0.1:$port" 2>&1)
   read -r u1 s1 < <(cpu_ticks "$@")
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
@@ -189,6 +196,13 @@ for r in $(seq "$REPEATS"); do
     run rolter-ca $CA_PORT "$size" 0 "$CA_PID"
     if [ -n "$TOKENIZER" ]; then run rolter-pt $PT_PORT "$size" 0 "$PT_PID"; fi
   done
+  for size in $GROWTH_SIZES; do
+    run direct $STUB_PORT "g$size" 0
+    # shellcheck disable=SC2086
+    run nginx $NGINX_PORT "g$size" 0 $NGINX_PIDS
+    run rolter-rr $RR_PORT "g$size" 0 "$RR_PID"
+    run rolter-ca $CA_PORT "g$size" 0 "$CA_PID"
+  done
   if [ "$PACE_MS" -gt 0 ]; then
     run direct $STUB_PORT 4096 "$PACE_MS"
     # shellcheck disable=SC2086
@@ -205,10 +219,10 @@ ms() { # P50|P99 label key -> median in ms
   local -n lat=$1
   for v in ${lat[$2/$3]}; do echo "$v" | to_ms; echo; done | median
 }
-table() { # key -> the paths' table
+table() { # key [labels] -> the paths' table
   echo "| path | req/s | p50 ms | p99 ms | CPU s / 10k req | of it user |"
   echo "|---|---:|---:|---:|---:|---:|"
-  for label in $LABELS; do
+  for label in ${2:-$LABELS}; do
     printf "| %s | %s | %s | %s | %s | %s |\n" "$label" "$(rps $label "$1")" \
       "$(ms P50 $label "$1")" "$(ms P99 $label "$1")" "$(cpu $label "$1")" \
       "$(echo "${USR[$label/$1]}" | median)"
@@ -247,6 +261,22 @@ reuse() { # port -> "reused% (new/total)"
           -v c="$(paired "${CPU[rolter-ca/$size]}" "${CPU[rolter-pt/$size]}")" 'BEGIN {
         printf "- precise_cache_aware with a route tokenizer (e) beside cache_aware (d): throughput e/d = %.2f, CPU per request e/d = %.2f (medians of same-repeat ratios)\n", t, c }'
     fi
+    echo
+  done
+  for size in $GROWTH_SIZES; do
+    k=g$size
+    echo "## $((size / 1024)) KiB growing conversations (loadtest/growth.lua: 16 conversations, each request extending its previous one; bodies 13/16-16/16 of $((size / 1024)) KiB, mean 29/32)"
+    echo
+    table "$k" "direct nginx rolter-rr rolter-ca"
+    echo
+    awk -v n="$(rps nginx "$k")" -v rr="$(rps rolter-rr "$k")" -v ca="$(rps rolter-ca "$k")" \
+        -v nc="$(cpu nginx "$k")" -v rc="$(cpu rolter-rr "$k")" -v cc="$(cpu rolter-ca "$k")" \
+        -v kib="$(awk -v s="$size" 'BEGIN {print s * 29 / 32 / 1024}')" \
+        -v pca="$(paired "${RPS[nginx/$k]}" "${RPS[rolter-ca/$k]}")" \
+        -v pcc="$(paired "${CPU[nginx/$k]}" "${CPU[rolter-ca/$k]}")" 'BEGIN {
+      printf "- throughput c/b (round_robin / nginx) = %.2f, d/b (cache_aware / nginx) = %.2f (median of same-repeat ratios d/b: %.2f)\n", rr / n, ca / n, pca;
+      printf "- CPU per request c/b = %.2f, d/b = %.2f (median of same-repeat ratios d/b: %.2f)\n", rc / nc, cc / nc, pcc;
+      printf "- CPU per KiB of body (mean %.0f KiB): nginx %.2f us, round_robin %.2f us, cache_aware %.2f us\n", kib, nc * 100 / kib, rc * 100 / kib, cc * 100 / kib }'
     echo
   done
   if [ "$PACE_MS" -gt 0 ]; then
