@@ -32,6 +32,9 @@ pub struct LoadContext {
     pub lmcache: LmcacheBoard,
     /// The last good address set of every `discovery = "dns"` provider.
     pub dns: DnsBoard,
+    /// The live table's route tokenizers, reused by a reload when their files did not
+    /// change.
+    pub tokenizers: crate::tokenize::board::TokenizerBoard,
 }
 
 impl Default for LoadContext {
@@ -41,6 +44,7 @@ impl Default for LoadContext {
             resolver: Arc::new(SystemResolver),
             lmcache: LmcacheBoard::default(),
             dns: DnsBoard::default(),
+            tokenizers: Default::default(),
         }
     }
 }
@@ -169,9 +173,12 @@ impl RouteTable {
             resolved.push((upstream, vec![instance], authorization));
         }
         // Tokenizers load here too (a broken directory rejects the file; a relative path
-        // is relative to the routing file, which `-d` does not move).
+        // is relative to the routing file, which `-d` does not move). A reload reuses a
+        // live tokenizer whose files did not change; a discovery rebuild (same config)
+        // takes the live table's as they are.
         let base = Path::new(origin).parent().unwrap_or(Path::new(""));
         let mut tokenizers = Vec::with_capacity(config.routes.len());
+        let mut loaded = Vec::new();
         for (index, r) in config.routes.iter().enumerate() {
             let live = match dns {
                 DnsSource::Board(live) => live.route(&r.model).and_then(|r| r.tokenizer.clone()),
@@ -180,18 +187,26 @@ impl RouteTable {
             let tok = match &r.tokenizer {
                 None => None,
                 Some(_) if live.is_some() => live,
-                Some(dir) => Some(Arc::new(
-                    crate::tokenize::RouteTokenizer::load(&base.join(dir), r.tokenizer_cache_bytes)
+                Some(dir) => {
+                    let l = ctx
+                        .tokenizers
+                        .get_or_load(&base.join(dir), r.tokenizer_cache_bytes)
                         .map_err(|error| LoadError::Tokenizer {
                             path: origin.to_owned(),
                             index,
                             error,
-                        })?,
-                )),
+                        })?;
+                    let tok = l.tokenizer.clone();
+                    loaded.push(l);
+                    Some(tok)
+                }
             };
             tokenizers.push(tok);
         }
         // Phase 2: bind to the long-lived state (cannot fail).
+        if matches!(dns, DnsSource::Resolve) {
+            ctx.tokenizers.keep(loaded);
+        }
         for d in &discovered {
             ctx.dns.put(&d.name, &d.host, d.port, &d.addrs);
             crate::metrics::METRICS

@@ -433,3 +433,30 @@ fn a_discovery_rebuild_keeps_the_tokenizer_and_client_keys() {
     assert!(Arc::ptr_eq(&auth, after.auth.as_ref().unwrap()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A SIGHUP reload of an unchanged tokenizer directory keeps the loaded tokenizer (and
+/// its warm cache); the table is new.
+#[test]
+fn a_reload_reuses_an_unchanged_tokenizer() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/llama3")
+        .display()
+        .to_string();
+    let routes = format!(
+        "[[providers]]\nname = \"p\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:9\"\n\
+         [[routes]]\nmodel = \"alias\"\nstrategy = \"precise_cache_aware\"\ntokenizer = \"{fixture}\"\n\
+         [[routes.targets]]\nprovider = \"p\"\nmodel = \"m\"\n"
+    );
+    let (dir, path) = routes_file("tok-reload", &routes);
+    let rt = Runtime::load(&path).unwrap();
+    let before = rt.table();
+    let tok = before.route("alias").unwrap().tokenizer.clone().unwrap();
+    rt.reload().unwrap();
+    let after = rt.table();
+    assert!(!Arc::ptr_eq(&before, &after), "a new table was installed");
+    assert!(Arc::ptr_eq(
+        &tok,
+        after.route("alias").unwrap().tokenizer.as_ref().unwrap()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -15,6 +15,7 @@
 //! prefix and encodes only the rest. Parsing, rendering and hashing stay linear in the
 //! body (tens of microseconds for 32 KiB); BPE, the expensive part, runs on the new text only.
 
+pub mod board;
 pub mod cache;
 pub mod hf;
 
