@@ -79,6 +79,17 @@ async fn post(gw: &Gateway, path: &str, body: &str) -> Answer {
     .await
 }
 
+async fn get(gw: &Gateway, path: &str) -> Answer {
+    send(
+        gw,
+        reqwest::Method::GET,
+        path,
+        "application/json",
+        Vec::new(),
+    )
+    .await
+}
+
 /// `body` as upstream `n` must receive it: the top-level `"model":"alias"` rewritten.
 fn rewritten(body: &str, n: usize) -> String {
     body.replacen(
@@ -340,15 +351,7 @@ async fn malformed_bodies_on_the_new_endpoints_get_openai_400s_and_reach_no_upst
     // Unknown paths stay 404, the wrong method is 405, an unknown model 404.
     assert_eq!(post(&gw, "/v1/nope", "{}").await.status, 404);
     assert_eq!(post(&gw, "/v1/embeddings/x", "{}").await.status, 404);
-    let get = send(
-        &gw,
-        reqwest::Method::GET,
-        "/v1/embeddings",
-        json,
-        Vec::new(),
-    )
-    .await;
-    assert_eq!(get.status, 405);
+    assert_eq!(get(&gw, "/v1/embeddings").await.status, 405);
     let unknown = post(&gw, "/v1/embeddings", r#"{"model":"nope","input":"x"}"#).await;
     assert_eq!(unknown.status, 404);
     assert_eq!(unknown.json()["error"]["code"], "not_found");
@@ -497,14 +500,7 @@ async fn conversation_follows_its_home(stream: bool) {
         assert_eq!(r.json()["stub"], home_id.as_str());
         assert_eq!(home.recorded().last().unwrap().uri, path);
     }
-    let unknown = send(
-        &gw,
-        reqwest::Method::GET,
-        "/v1/responses/resp_unknown",
-        "application/json",
-        Vec::new(),
-    )
-    .await;
+    let unknown = get(&gw, "/v1/responses/resp_unknown").await;
     assert_eq!(unknown.status, 404);
     assert!(unknown.stub.is_none());
     assert_eq!(unknown.json()["error"]["code"], "not_found");
@@ -588,15 +584,8 @@ async fn a_reload_keeps_the_response_table_and_a_removed_home_is_a_clear_503() {
     let v = r.json();
     assert_eq!(v["error"]["code"], "response_home_unavailable");
     assert!(v["error"]["message"].as_str().unwrap().contains(&id));
-    let get = send(
-        &gw,
-        reqwest::Method::GET,
-        &format!("/v1/responses/{id}"),
-        "application/json",
-        Vec::new(),
-    )
-    .await;
-    assert_eq!(get.status, 503);
+    let by_id = get(&gw, &format!("/v1/responses/{id}")).await;
+    assert_eq!(by_id.status, 503);
     assert_eq!(other.served(), served, "another replica was asked");
 }
 
@@ -635,20 +624,10 @@ async fn an_unhealthy_home_is_a_clear_503_and_the_id_table_is_capped() {
     let held = gw.metric("rolter_response_affinity_ids").await.unwrap();
     assert!(held <= 4.0, "{held} ids over a cap of 4");
     // The oldest ids were let go: the gateway no longer knows where they live.
-    let gw_ref = &gw;
-    let get = |id: String| async move {
-        send(
-            gw_ref,
-            reqwest::Method::GET,
-            &format!("/v1/responses/{id}"),
-            "application/json",
-            Vec::new(),
-        )
-        .await
-    };
-    assert_eq!(get(ids[0].0.clone()).await.status, 404);
+    let by_id = |id: &str| format!("/v1/responses/{id}");
+    assert_eq!(get(&gw, &by_id(&ids[0].0)).await.status, 404);
     let (last, home) = ids.last().unwrap().clone();
-    assert_eq!(get(last.clone()).await.status, 200);
+    assert_eq!(get(&gw, &by_id(&last)).await.status, 200);
     // The home stops answering its health checks: continuing there is a clear 503.
     let home_stub = if home == "a" { &a } else { &b };
     home_stub.set_behaviour(Behaviour {
@@ -772,14 +751,7 @@ async fn the_answer_s_own_framing_decides_how_its_response_id_is_read() {
     assert_eq!(r.status, 200, "{}", r.body);
     let id = response_id(&r.body, false);
     assert_eq!(gw.metric("rolter_response_affinity_ids").await, Some(1.0));
-    let got = send(
-        &gw,
-        reqwest::Method::GET,
-        &format!("/v1/responses/{id}"),
-        "application/json",
-        Vec::new(),
-    )
-    .await;
+    let got = get(&gw, &format!("/v1/responses/{id}")).await;
     assert_eq!(got.status, 200, "{}", got.body);
     // An error answer teaches nothing.
     stub.set_behaviour(Behaviour {
