@@ -274,14 +274,7 @@ async fn complete(
         "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("hello from {id}")}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     });
-    (
-        [
-            ("x-stub-id", id),
-            ("content-type", "application/json".into()),
-        ],
-        answer.to_string(),
-    )
-        .into_response()
+    json_answer(id, StatusCode::OK, &answer)
 }
 
 /// Count, record and (per the behaviour) delay a request; its active guard and the
@@ -321,18 +314,23 @@ async fn admit(
     (guard, b)
 }
 
-/// A non-2xx answer in OpenAI's error shape.
-fn error_answer(id: &str, status: StatusCode, message: String) -> Response {
-    let err = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+/// A JSON answer from stub `id`.
+fn json_answer(id: String, status: StatusCode, body: &serde_json::Value) -> Response {
     (
         status,
         [
-            ("x-stub-id", id.to_string()),
+            ("x-stub-id", id),
             ("content-type", "application/json".into()),
         ],
-        err.to_string(),
+        body.to_string(),
     )
         .into_response()
+}
+
+/// A non-2xx answer in OpenAI's error shape.
+fn error_answer(id: &str, status: StatusCode, message: String) -> Response {
+    let err = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+    json_answer(id.to_string(), status, &err)
 }
 
 /// `POST /v1/responses`: store a response (its id names this stub) and answer it as JSON
@@ -373,14 +371,7 @@ async fn create_response(
     // A background response is answered at once as JSON (queued), stream or not.
     if json["stream"].as_bool() != Some(true) || json["background"].as_bool() == Some(true) {
         drop(guard);
-        return (
-            [
-                ("x-stub-id", id),
-                ("content-type", "application/json".into()),
-            ],
-            response.to_string(),
-        )
-            .into_response();
+        return json_answer(id, StatusCode::OK, &response);
     }
     let mut events = vec![(
         "response.created",
@@ -433,14 +424,7 @@ async fn stored_response(
     }
     let answer =
         serde_json::json!({"id": rid, "object": "response", "status": "completed", "stub": id});
-    (
-        [
-            ("x-stub-id", id),
-            ("content-type", "application/json".into()),
-        ],
-        answer.to_string(),
-    )
-        .into_response()
+    json_answer(id, StatusCode::OK, &answer)
 }
 
 /// Any other path: recorded and answered with a JSON echo of what arrived.
@@ -459,14 +443,7 @@ async fn echo(
         return error_answer(&id, status, format!("stub {id} failing"));
     }
     let answer = serde_json::json!({"object": "stub.echo", "method": method.as_str(), "path": uri.path(), "stub": id, "body_bytes": body.len()});
-    (
-        [
-            ("x-stub-id", id),
-            ("content-type", "application/json".into()),
-        ],
-        answer.to_string(),
-    )
-        .into_response()
+    json_answer(id, StatusCode::OK, &answer)
 }
 
 fn async_stream(
