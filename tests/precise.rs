@@ -11,22 +11,7 @@ use rolter_loadtest::{spawn_fleet, FleetConfig, FleetHandle};
 use std::time::Duration;
 
 fn routes(fleet: &FleetHandle) -> String {
-    let mut s = String::new();
-    for (i, r) in fleet.replicas().iter().enumerate() {
-        s += &format!(
-            "[[providers]]\nname = \"r{i}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n\
-             [providers.health]\nenabled = false\n\
-             [providers.kv_events]\nendpoint = \"{}\"\nreplay_endpoint = \"{}\"\nstaleness_ms = 2000\n\n",
-            r.base_url(),
-            r.kv_events_endpoint().unwrap(),
-            r.kv_replay_endpoint().unwrap(),
-        );
-    }
-    s += "[[routes]]\nmodel = \"alias\"\nstrategy = \"precise_cache_aware\"\n";
-    for i in 0..fleet.replicas().len() {
-        s += &format!("[[routes.targets]]\nprovider = \"r{i}\"\nmodel = \"sim-model\"\n");
-    }
-    s
+    precise_fleet_routes(fleet, "")
 }
 
 fn conversation(topic: usize, turns: usize) -> Vec<ChatMessage> {

@@ -19,25 +19,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn routes(fleet: &FleetHandle, tokenizer: &std::path::Path) -> String {
-    let mut s = String::new();
-    for (i, r) in fleet.replicas().iter().enumerate() {
-        s += &format!(
-            "[[providers]]\nname = \"r{i}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n\
-             [providers.health]\nenabled = false\n\
-             [providers.kv_events]\nendpoint = \"{}\"\nreplay_endpoint = \"{}\"\nstaleness_ms = 2000\n\n",
-            r.base_url(),
-            r.kv_events_endpoint().unwrap(),
-            r.kv_replay_endpoint().unwrap(),
-        );
-    }
-    s += &format!(
-        "[[routes]]\nmodel = \"alias\"\nstrategy = \"precise_cache_aware\"\ntokenizer = \"{}\"\n",
-        tokenizer.display()
-    );
-    for i in 0..fleet.replicas().len() {
-        s += &format!("[[routes.targets]]\nprovider = \"r{i}\"\nmodel = \"sim-model\"\n");
-    }
-    s
+    precise_fleet_routes(fleet, &format!("tokenizer = \"{}\"\n", tokenizer.display()))
 }
 
 /// What the openai SDK sends: messages with content parts, sampling fields, no rolter header.

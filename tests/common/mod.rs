@@ -290,3 +290,26 @@ where
     }
     false
 }
+
+/// A routing file for a simulated fleet: one provider per replica with its KV-event
+/// streams (health checks off), and one precise_cache_aware route `alias` over them
+/// (upstream model `sim-model`); `route_extra` adds lines to the route (e.g. a tokenizer).
+pub fn precise_fleet_routes(fleet: &rolter_loadtest::FleetHandle, route_extra: &str) -> String {
+    let mut s = String::new();
+    for (i, r) in fleet.replicas().iter().enumerate() {
+        s += &format!(
+            "[[providers]]\nname = \"r{i}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n\
+             [providers.health]\nenabled = false\n\
+             [providers.kv_events]\nendpoint = \"{}\"\nreplay_endpoint = \"{}\"\nstaleness_ms = 2000\n\n",
+            r.base_url(),
+            r.kv_events_endpoint().unwrap(),
+            r.kv_replay_endpoint().unwrap(),
+        );
+    }
+    s += "[[routes]]\nmodel = \"alias\"\nstrategy = \"precise_cache_aware\"\n";
+    s += route_extra;
+    for i in 0..fleet.replicas().len() {
+        s += &format!("[[routes.targets]]\nprovider = \"r{i}\"\nmodel = \"sim-model\"\n");
+    }
+    s
+}
