@@ -213,26 +213,35 @@ impl TargetState {
     pub fn start_request(self: &Arc<Self>) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_gauge.inc();
-        InflightGuard(self.clone())
+        InflightGuard(self.clone(), AtomicBool::new(false))
     }
 }
 
 /// Holds one in-flight slot on a target; releases it on drop, whatever the outcome
-/// (success, error, client disconnect, panic unwinding).
+/// (success, error, client disconnect, panic unwinding), or earlier through
+/// [`release`](Self::release).
 #[derive(Debug)]
-pub struct InflightGuard(Arc<TargetState>);
+pub struct InflightGuard(Arc<TargetState>, AtomicBool);
 
 impl InflightGuard {
     /// The target this slot is on.
     pub fn target(&self) -> &Arc<TargetState> {
         &self.0
     }
+
+    /// Give the slot back now (the upstream is done with the request); dropping the guard
+    /// later releases nothing more. Idempotent.
+    pub fn release(&self) {
+        if !self.1.swap(true, Ordering::AcqRel) {
+            self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+            self.0.inflight_gauge.dec();
+        }
+    }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
-        self.0.inflight_gauge.dec();
+        self.release();
     }
 }
 
@@ -414,6 +423,10 @@ mod tests {
         assert_eq!(t.inflight(), 2);
         drop(g1);
         assert_eq!(t.inflight(), 1);
+        // An early release counts once, however often it is called and then dropped.
+        g2.release();
+        g2.release();
+        assert_eq!(t.inflight(), 0);
         drop(g2);
         assert_eq!(t.inflight(), 0);
         assert!(Arc::ptr_eq(&t, &reg.get_or_create(&key)));

@@ -27,7 +27,7 @@ pub struct Attempt<'r> {
     /// The chosen target.
     pub target: &'r RouteTarget,
     ticket: Ticket<'r>,
-    _slot: InflightGuard,
+    slot: InflightGuard,
     /// When the exchange started (TTFB and latency count from here).
     pub started: Instant,
 }
@@ -60,9 +60,18 @@ impl<'r> Attempt<'r> {
             decision,
             target,
             ticket,
-            _slot: slot,
+            slot,
             started,
         }
+    }
+
+    /// The upstream has answered in full (its connection is released): the in-flight slot
+    /// is given back now, before the client can see the answer end. A client that sends
+    /// its next request as soon as it has the answer must find this target as loaded as
+    /// it really is, not still busy with a request that is over ([`settle`](Self::settle)
+    /// runs only after the last write to the client).
+    pub fn upstream_done(&self) {
+        self.slot.release();
     }
 
     /// The exchange ended with `result`: report it to the breaker, the target's latency

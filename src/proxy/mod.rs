@@ -540,7 +540,8 @@ impl Gateway {
                     responses.learn(&id, target.state.label(), crate::fleet::now_ms());
                 }
             };
-            upstream::relay(&self.pool, &up, session, answer, &mut observe).await
+            let done = || attempt.upstream_done();
+            upstream::relay(&self.pool, &up, session, answer, &mut observe, &done).await
         };
         match attempt.route.total_timeout {
             None => exchange.await,

@@ -349,13 +349,15 @@ pub async fn send(
 }
 
 /// Relay an answer to `session`: its head, then its body as it arrives (each chunk shown
-/// to `observe` first); the upstream connection goes back to the pool when the body ends.
+/// to `observe` first); the upstream connection goes back to the pool when the body ends,
+/// and `upstream_done` is called then, before the client can see the answer end.
 pub async fn relay(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
     session: &mut Session,
     answer: Answer,
     observe: &mut (dyn FnMut(&[u8]) + Send),
+    upstream_done: &(dyn Fn() + Sync),
 ) -> Result<ExchangeOutcome, ExchangeError> {
     let Answer {
         mut http,
@@ -398,12 +400,15 @@ pub async fn relay(
     // of racing this task to it, and opening a new one) and before the last write to a
     // client that may be slow. pingora's keep-alive rules (response version and
     // `connection` header, a body read to its end with nothing extra, no upgrade) decide
-    // whether it may.
+    // whether it may. The in-flight slot goes back then too, for the same reason: a
+    // client's next request must not find the target still busy with this one (load-based
+    // routing would avoid an idle target).
     http.respect_keepalive();
     let finished = Instant::now();
     if let (Some(stream), Some(idle)) = (http.reuse().await, up.idle) {
         pool.put(idle, stream, up.idle_timeout, finished);
     }
+    upstream_done();
     if let Some(chunk) = last {
         session
             .write_response_body(Some(chunk), false)
