@@ -506,8 +506,10 @@ async fn a_pooled_connection_closed_unanswered_is_retried_on_a_fresh_one() {
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                     body.len()
                 );
-                sock.write_all(answer.as_bytes()).await.unwrap();
+                // Counted before the answer is written, so the count is in place before
+                // the client can see the 200 (counting after the write raced the test's read).
                 a.fetch_add(1, Ordering::SeqCst);
+                sock.write_all(answer.as_bytes()).await.unwrap();
                 // The next request on this connection is read, then the connection closed.
                 if read_one_request(&mut sock, &mut buf).await.is_some() {
                     d.fetch_add(1, Ordering::SeqCst);
@@ -531,7 +533,8 @@ async fn a_pooled_connection_closed_unanswered_is_retried_on_a_fresh_one() {
 
 /// An upstream that answers every request on a connection with `status_line` and `extra`
 /// header lines, keeping the connection open afterwards; returns its address and the
-/// number of connections it accepted and requests it answered.
+/// number of connections it accepted and requests it answered (each counted just before
+/// its answer is written, so the count is final by the time the client has the answer).
 async fn counting_upstream(
     status_line: &'static str,
     extra: &'static str,
@@ -559,10 +562,12 @@ async fn counting_upstream(
                         "{status_line}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
                         body.len()
                     );
+                    // Counted before the answer is written: the client's 200 can only follow
+                    // the write, so the test never reads a count that lags its answers.
+                    a.fetch_add(1, Ordering::SeqCst);
                     if sock.write_all(answer.as_bytes()).await.is_err() {
                         return;
                     }
-                    a.fetch_add(1, Ordering::SeqCst);
                 }
             });
         }
