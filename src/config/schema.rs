@@ -451,6 +451,10 @@ pub struct RouteConfig {
     /// ... and more than this multiple of the least-loaded target's load.
     #[serde(default = "default_balance_rel")]
     pub balance_rel: f64,
+    /// New work goes only to targets whose load with it stays within this multiple of the
+    /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware).
+    #[serde(default = "default_load_bound")]
+    pub load_bound: f64,
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
@@ -527,6 +531,10 @@ fn default_balance_abs() -> u64 {
 
 fn default_balance_rel() -> f64 {
     crate::routing::placement::DEFAULT_BALANCE_REL
+}
+
+fn default_load_bound() -> f64 {
+    crate::routing::placement::DEFAULT_LOAD_BOUND
 }
 
 fn default_prompt_bytes_per_token() -> f64 {
@@ -659,6 +667,7 @@ impl RouteConfig {
             load_cost_tokens: self.load_cost_tokens,
             balance_abs: self.balance_abs,
             balance_rel: self.balance_rel,
+            load_bound: self.load_bound,
         }
     }
 }

@@ -512,12 +512,14 @@ fn placement_keys_are_defaulted_and_bounded() {
     assert_eq!(rule, crate::routing::placement::PlacementRule::default());
     assert_eq!(rule.load_cost_tokens, 200.0);
     assert_eq!((rule.balance_abs, rule.balance_rel), (6, 1.3));
+    assert_eq!(rule.load_bound, 1.5);
     let c = parse(
-        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0"),
+        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0"),
         "p.toml",
     )
     .unwrap();
     assert_eq!(c.routes[0].placement_rule().balance_abs, 0);
+    assert_eq!(c.routes[0].placement_rule().load_bound, 0.0);
     for (bad, key) in [
         ("load_cost_tokens = -1.0", "load_cost_tokens"),
         ("load_cost_tokens = nan", "load_cost_tokens"),
@@ -525,6 +527,8 @@ fn placement_keys_are_defaulted_and_bounded() {
         ("balance_abs = 1000001", "balance_abs"),
         ("balance_rel = 0.9", "balance_rel"),
         ("balance_rel = inf", "balance_rel"),
+        ("load_bound = 0.5", "load_bound"),
+        ("load_bound = nan", "load_bound"),
         ("prompt_bytes_per_token = 1e-306", "prompt_bytes_per_token"),
     ] {
         let problems = parse(&with(bad), "p.toml").unwrap_err().problems();

@@ -32,6 +32,7 @@ impl Strategy for RoundRobin {
             reason: Reason::RoundRobin,
             score: None,
             hint: None,
+            conversation: None,
         })
     }
 }
@@ -55,6 +56,7 @@ impl Strategy for LeastLoad {
             reason: Reason::LeastLoad,
             score: None,
             hint: None,
+            conversation: None,
         })
     }
 }

@@ -12,8 +12,9 @@
 //! least-loaded target (`fallback`).
 
 use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
-use super::{Decision, FleetView, Reason, RouteInput, Strategy};
+use super::{Candidate, Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::MatchHint;
+use std::sync::Arc;
 
 /// Default minimum prefix score to pin a request to its best-matching target (SPEC §4).
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
@@ -47,6 +48,7 @@ pub fn trie_nodes_for_kv_cache(
 pub struct CacheAware {
     rule: PlacementRule,
     bytes_per_token: f64,
+    conversations: Option<Arc<SessionTable>>,
 }
 
 impl CacheAware {
@@ -55,13 +57,45 @@ impl CacheAware {
         CacheAware {
             rule,
             bytes_per_token: bytes_per_token.max(f64::MIN_POSITIVE),
+            conversations: None,
         }
+    }
+
+    /// This strategy remembering, in `table`, the target each conversation last went to,
+    /// so a conversation whose history every trie has forgotten still returns there.
+    pub fn remembering(mut self, table: Arc<SessionTable>) -> Self {
+        self.conversations = Some(table);
+        self
     }
 }
 
 impl Default for CacheAware {
     fn default() -> Self {
         CacheAware::new(PlacementRule::default(), DEFAULT_PROMPT_BYTES_PER_TOKEN)
+    }
+}
+
+/// The target `table` remembers for the conversation `keys` names, if any (the placement
+/// rule only considers it if it is among the eligible choices).
+pub fn previous_target(
+    table: Option<&SessionTable>,
+    keys: PlacementKeys,
+    input: &RouteInput,
+    fleet: &FleetView,
+) -> Option<usize> {
+    let label = table?.get_conversation(keys.conversation, input.now_ms)?;
+    fleet.candidates.iter().position(|c| c.label == &*label)
+}
+
+/// Store in `table` that the decision's conversation went to `target`.
+pub fn remember_target(
+    table: Option<&SessionTable>,
+    input: &RouteInput,
+    target: &Candidate,
+    decision: &Decision,
+) {
+    if let (Some(table), Some(conversation)) = (table, decision.conversation) {
+        table.put_conversation(conversation, target.label, input.now_ms);
     }
 }
 
@@ -98,6 +132,7 @@ impl Strategy for CacheAware {
                 reason: Reason::Fallback,
                 score: None,
                 hint: None,
+                conversation: None,
             });
         }
         let len = input.prompt.len() as f64;
@@ -110,15 +145,22 @@ impl Strategy for CacheAware {
                     index: i,
                     inflight: c.inflight,
                     cached_tokens: score * len / self.bytes_per_token,
+                    room_tokens: c.prefix.map_or(0.0, |t| {
+                        t.max_nodes().saturating_sub(t.node_count()) as f64
+                            * TRIE_PROMPT_BYTES_PER_NODE
+                            / self.bytes_per_token
+                    }),
                     label: c.label,
                 }
             })
             .collect();
         let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
+        let keys = keys.with_session(input.session_id);
         let ask = Ask {
             tokens: len / self.bytes_per_token,
             first_message_tokens: first_len as f64 / self.bytes_per_token,
             keys,
+            previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
         };
         let placed = self.rule.place(&ask, &choices)?;
         // The chosen target's walk, handed to `record` so its insert starts where it stopped.
@@ -128,13 +170,18 @@ impl Strategy for CacheAware {
             reason: placed.reason,
             score: Some(placed.score),
             hint,
+            conversation: Some(keys.conversation),
         })
     }
 
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
-        if let Some(trie) = fleet.candidates.get(decision.target).and_then(|c| c.prefix) {
+        let Some(target) = fleet.candidates.get(decision.target) else {
+            return;
+        };
+        if let Some(trie) = target.prefix {
             trie.insert_hinted(input.prompt, decision.hint);
         }
+        remember_target(self.conversations.as_deref(), input, target, decision);
     }
 }
 
@@ -273,11 +320,49 @@ mod tests {
         assert!(seen[0] > 40 && seen[1] > 40, "{seen:?}");
     }
 
+    /// A conversation's later turn returns to the target that served the last one, even
+    /// when no trie holds its history any more (forgotten, or learned by another gateway)
+    /// and another holder of its system prompt is less loaded; without the memory the
+    /// cost rule sends it to the less-loaded holder.
+    #[test]
+    fn a_remembered_conversation_returns_to_its_target_after_its_history_is_forgotten() {
+        let system = format!("Csystem\x1f{}\x1e", "shared tool list ".repeat(200));
+        let turn1 = format!("{system}user\x1fquestion one\x1e");
+        let turn2 = format!("{turn1}assistant\x1fanswer\x1euser\x1fand then?\x1e");
+        let memory = Arc::new(SessionTable::new(300, 1_000));
+        let remembering = CacheAware::default().remembering(memory);
+        let forgetful = CacheAware::default();
+        for (loads, busy) in [([3, 0], 0), ([0, 3], 1)] {
+            // Both targets hold only the system prompt; turn 1 went to the busy one.
+            let t = tries(2);
+            t[0].insert(system.as_bytes());
+            t[1].insert(system.as_bytes());
+            let c = fleet(&t, &[0, 0], &[true; 2]);
+            let d = Decision {
+                target: busy,
+                reason: Reason::CacheHit,
+                score: None,
+                hint: None,
+                conversation: Some(PlacementKeys::from_prompt(turn1.as_bytes()).0.conversation),
+            };
+            remembering.record(&input(turn1.as_bytes()), &FleetView::new(&c), &d);
+            let t = tries(2);
+            t[0].insert(system.as_bytes());
+            t[1].insert(system.as_bytes());
+            let c = fleet(&t, &loads, &[true; 2]);
+            let view = FleetView::new(&c);
+            let d = remembering.select(&input(turn2.as_bytes()), &view).unwrap();
+            assert_eq!((d.target, d.reason), (busy, Reason::CacheHit));
+            let d = forgetful.select(&input(turn2.as_bytes()), &view).unwrap();
+            assert_eq!(d.target, 1 - busy);
+        }
+    }
+
     #[test]
     fn cache_hit_pins_to_the_warm_target() {
         let t = tries(3);
         t[1].insert(b"system: long shared prompt. user: hi");
-        let c = fleet(&t, &[0, 1, 0], &[true; 3]);
+        let c = fleet(&t, &[1, 1, 1], &[true; 3]);
         let d = CacheAware::default()
             .select(
                 &input(b"system: long shared prompt. user: hello"),

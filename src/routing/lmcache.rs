@@ -79,6 +79,7 @@ impl Strategy for LmcacheAware {
                 reason,
                 score: None,
                 hint: None,
+                conversation: None,
             })
         };
         let (sum, fresh) = fleet
@@ -113,6 +114,7 @@ impl Strategy for LmcacheAware {
             reason: Reason::CacheCapacity,
             score: None,
             hint: None,
+            conversation: None,
         })
     }
 }

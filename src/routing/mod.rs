@@ -163,6 +163,9 @@ pub struct Decision {
     pub score: Option<f64>,
     /// Where the chosen target's trie walk stopped, so `record` need not walk it again.
     pub hint: Option<crate::prefix::MatchHint>,
+    /// The conversation's placement key, for strategies that remember where each
+    /// conversation went (`record` stores it).
+    pub conversation: Option<u64>,
 }
 
 /// A target-selection policy for one route.

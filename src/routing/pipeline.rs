@@ -118,6 +118,7 @@ impl Strategy for Pipeline {
                 reason: Reason::Affinity,
                 score: None,
                 hint: None,
+                conversation: None,
             });
         }
         let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
@@ -184,6 +185,7 @@ impl Strategy for Pipeline {
             reason,
             score: Some(prefix),
             hint: None,
+            conversation: None,
         })
     }
 
@@ -321,6 +323,7 @@ mod tests {
             reason: Reason::Scored,
             score: None,
             hint: None,
+            conversation: None,
         }
     }
 

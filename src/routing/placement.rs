@@ -48,6 +48,9 @@ pub const DEFAULT_LOAD_COST_TOKENS: f64 = 200.0;
 pub const DEFAULT_BALANCE_ABS: u64 = 6;
 /// Default of `balance_rel`: and more than this multiple of the least-loaded target's load.
 pub const DEFAULT_BALANCE_REL: f64 = 1.3;
+/// Default of `load_bound`: new work goes only to targets that, with it, stay within this
+/// multiple of the fleet's mean load (bounded-load placement); 0 turns the bound off.
+pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
 /// the continuation of a conversation that target served (one vLLM block by default).
 pub const CONTINUATION_MIN_TOKENS: f64 = 16.0;
@@ -70,6 +73,10 @@ pub struct PlacementRule {
     pub balance_abs: u64,
     /// Relative part of the overload guard (multiple of the least loaded's load).
     pub balance_rel: f64,
+    /// Bound on new work: a target takes a new prompt only while its load with it stays
+    /// within this multiple of the fleet's mean (with it), or it is the least loaded.
+    /// 0 = no bound.
+    pub load_bound: f64,
 }
 
 impl Default for PlacementRule {
@@ -79,6 +86,7 @@ impl Default for PlacementRule {
             load_cost_tokens: DEFAULT_LOAD_COST_TOKENS,
             balance_abs: DEFAULT_BALANCE_ABS,
             balance_rel: DEFAULT_BALANCE_REL,
+            load_bound: DEFAULT_LOAD_BOUND,
         }
     }
 }
@@ -134,6 +142,9 @@ pub struct Choice<'a> {
     pub cached_tokens: f64,
     /// Stable identity (`provider/model`), the same on every gateway.
     pub label: &'a str,
+    /// Tokens the target can take without evicting anything, as far as the caller knows
+    /// (0 when unknown).
+    pub room_tokens: f64,
 }
 
 /// The request as the rule sees it.
@@ -145,6 +156,9 @@ pub struct Ask {
     pub first_message_tokens: f64,
     /// Tie-breaking keys.
     pub keys: PlacementKeys,
+    /// The target that served this conversation's previous turn, if the caller remembers
+    /// one (index into the route's targets).
+    pub previous: Option<usize>,
 }
 
 /// The rule's answer.
@@ -190,13 +204,37 @@ impl PlacementRule {
             .iter()
             .find(|c| best_cached > 0.0 && counted(c) >= best_cached)
             .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS)
-            .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS);
+            .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS)
+            // The history may be gone from every view (evicted) while the replica that
+            // served the last turn still holds part of it and surely the group's prefix:
+            // the conversation stays there, unless another target holds its history.
+            // The history may be gone from every view while the target that served the
+            // last turn still holds some of it: among the targets holding the most of the
+            // prompt, that one is the conversation's own.
+            .or_else(|| {
+                choices
+                    .iter()
+                    .find(|c| Some(c.index) == ask.previous)
+                    .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
+            });
         let (mut pick, margin) = match home {
             Some(home) => (home, self.balance_abs.saturating_mul(2)),
-            None => (
-                self.cheapest(ask, choices.iter(), &cost, &counted)?,
-                self.balance_abs,
-            ),
+            None => {
+                // Bounded load: new work skips targets past the bound, but only for targets
+                // that take it without evicting anything (they hold its prefix, or have room
+                // for what they do not hold): on a full fleet, spilling a new prefix onto
+                // another group's replica evicts that group, which costs more than it saves.
+                let bound = self.new_work_bound(choices, q_min);
+                let takes = |c: &&Choice| {
+                    c.inflight < bound && (counted(c) > 0.0 || c.room_tokens >= tokens)
+                };
+                let pick = if choices.iter().any(|c| takes(&c)) {
+                    self.cheapest(ask, choices.iter().filter(takes), &cost, &counted)?
+                } else {
+                    self.cheapest(ask, choices.iter(), &cost, &counted)?
+                };
+                (pick, self.balance_abs)
+            }
         };
         let mut reason = if best_cached == 0.0 {
             Reason::BelowThreshold
@@ -232,6 +270,21 @@ impl PlacementRule {
         } else {
             0.0
         }
+    }
+
+    /// New work goes only to targets with fewer than this many in flight: those whose load
+    /// with the new request stays within `load_bound` × the mean load (counting it), as in
+    /// consistent hashing with bounded loads, and always the least loaded. A group whose
+    /// homes are all past the bound opens a new home on an idle target instead of queueing.
+    pub fn new_work_bound(&self, choices: &[Choice], q_min: u64) -> u64 {
+        if self.load_bound <= 0.0 {
+            return u64::MAX;
+        }
+        let total: u64 = choices.iter().map(|c| c.inflight).sum();
+        let mean = (total + 1) as f64 / choices.len().max(1) as f64;
+        // inflight + 1 <= load_bound × mean  <=>  inflight < floor(load_bound × mean).
+        let cap = (self.load_bound * mean).floor() as u64;
+        cap.max(q_min + 1)
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -311,6 +364,7 @@ mod tests {
                 inflight,
                 cached_tokens,
                 label: LABELS[i],
+                room_tokens: 0.0,
             })
             .collect()
     }
@@ -323,6 +377,7 @@ mod tests {
                 group: key,
                 conversation: key.wrapping_add(1),
             },
+            previous: None,
         }
     }
 
@@ -440,6 +495,7 @@ mod tests {
                     group: 42,
                     conversation: conv.wrapping_mul(0x2545_f491),
                 },
+                previous: None,
             };
             seen[rule.place(&a, &c).unwrap().index] += 1;
         }
@@ -457,6 +513,91 @@ mod tests {
             let p = rule.place(&ask(2150.0, 2000.0, key), &c).unwrap();
             assert_eq!(p.index, 1, "key {key}");
         }
+    }
+
+    fn with_room(mut c: Vec<Choice<'static>>, room: &[f64]) -> Vec<Choice<'static>> {
+        for (c, &r) in c.iter_mut().zip(room) {
+            c.room_tokens = r;
+        }
+        c
+    }
+
+    #[test]
+    fn a_new_conversation_past_the_load_bound_opens_a_home_on_a_target_with_room() {
+        let rule = PlacementRule {
+            load_bound: 1.5,
+            ..rule()
+        };
+        // 0 holds the group's 2,000-token prompt and has 4 in flight; the mean counting
+        // this request is 6/4, so the bound is 1.5 × 1.5 = 2.25 with it: 0 is past it,
+        // and the other targets have room for the whole prompt.
+        let loads = [4, 0, 1, 0];
+        let cached = [2000.0, 0.0, 0.0, 0.0];
+        let c = with_room(choices(&loads, &cached), &[0.0, 8000.0, 8000.0, 8000.0]);
+        for key in 0..50 {
+            let p = rule.place(&ask(2060.0, 2000.0, key), &c).unwrap();
+            assert_ne!(p.index, 0, "key {key}");
+            assert_eq!(p.reason, Reason::Overloaded);
+        }
+        // A full fleet (no room anywhere): spilling would evict another group's prompt,
+        // so the cost rule keeps it home (4 × λ = 1,200 < 2,000 tokens of prefill).
+        let c = choices(&loads, &cached);
+        let p = rule.place(&ask(2060.0, 2000.0, 5), &c).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+        // No bound (0): home too, room or not.
+        let off = PlacementRule {
+            load_bound: 0.0,
+            ..rule
+        };
+        let c = with_room(choices(&loads, &cached), &[0.0, 8000.0, 8000.0, 8000.0]);
+        let p = off.place(&ask(2060.0, 2000.0, 5), &c).unwrap();
+        assert_eq!(p.index, 0);
+    }
+
+    #[test]
+    fn the_load_bound_never_moves_a_conversation_off_its_history() {
+        let rule = PlacementRule {
+            load_bound: 1.5,
+            ..rule()
+        };
+        // 0 holds this conversation's 3,000 tokens of history: past the bound but within
+        // twice the overload margin, it stays.
+        let c = with_room(
+            choices(&[5, 0, 0, 0], &[5000.0, 2000.0, 0.0, 0.0]),
+            &[0.0, 8000.0, 8000.0, 8000.0],
+        );
+        let p = rule.place(&ask(5100.0, 2000.0, 5), &c).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+    }
+
+    #[test]
+    fn a_forgotten_history_returns_to_the_target_that_served_the_last_turn() {
+        let rule = rule();
+        // Two targets hold the group's prompt alike and no view holds the history: the
+        // previous target wins, whatever the key, though it has 3 more in flight (the cost
+        // rule alone would move the turn: 3 × λ is past the one-request band).
+        for key in 0..50 {
+            for previous in [0, 1] {
+                let mut loads = [0, 0, 0, 0];
+                loads[previous] = 3;
+                let c = choices(&loads, &[2000.0, 2000.0, 0.0, 0.0]);
+                let mut a = ask(2400.0, 2000.0, key);
+                assert_eq!(rule.place(&a, &c).unwrap().index, 1 - previous, "key {key}");
+                a.previous = Some(previous);
+                let p = rule.place(&a, &c).unwrap();
+                assert_eq!(
+                    (p.index, p.reason),
+                    (previous, Reason::CacheHit),
+                    "key {key}"
+                );
+            }
+        }
+        // A previous target that no longer holds the group's prompt is no home: the cost
+        // rule places the turn among the targets that do.
+        let c = choices(&[0, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        let mut a = ask(2400.0, 2000.0, 3);
+        a.previous = Some(2);
+        assert_eq!(rule.place(&a, &c).unwrap().index, 0);
     }
 
     #[test]

@@ -16,11 +16,13 @@
 //! it there before the replica has computed a block. The placement keys and the
 //! conversation test come from the prompt bytes, as for `cache_aware`.
 
+use super::cache_aware::{previous_target, remember_target};
 use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
-use super::{Decision, FleetView, Reason, RouteInput, Strategy};
+use super::{Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
 use crate::prefix::PendingBlocks;
 use crate::prefix::StreamState;
+use std::sync::Arc;
 
 /// What precise routing sees of a target's KV-event state.
 #[derive(Clone, Copy)]
@@ -40,12 +42,23 @@ pub struct KvView<'a> {
 #[derive(Debug, Default)]
 pub struct PreciseCacheAware {
     rule: PlacementRule,
+    conversations: Option<Arc<SessionTable>>,
 }
 
 impl PreciseCacheAware {
     /// A strategy placing by `rule`.
     pub fn new(rule: PlacementRule) -> Self {
-        PreciseCacheAware { rule }
+        PreciseCacheAware {
+            rule,
+            conversations: None,
+        }
+    }
+
+    /// This strategy remembering, in `table`, the target each conversation last went to
+    /// (see [`CacheAware::remembering`](super::CacheAware::remembering)).
+    pub fn remembering(mut self, table: Arc<SessionTable>) -> Self {
+        self.conversations = Some(table);
+        self
     }
 }
 
@@ -112,6 +125,7 @@ impl Strategy for PreciseCacheAware {
                 reason: Reason::Fallback,
                 score: None,
                 hint: None,
+                conversation: None,
             });
         };
         let choices: Vec<Choice> = held_tokens(tokens, fleet, input.now_ms)
@@ -120,6 +134,7 @@ impl Strategy for PreciseCacheAware {
                 index: i,
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
+                room_tokens: 0.0,
                 label: fleet.candidates[i].label,
             })
             .collect();
@@ -130,10 +145,12 @@ impl Strategy for PreciseCacheAware {
         } else {
             n * first_len as f64 / input.prompt.len() as f64
         };
+        let keys = keys.with_session(input.session_id);
         let ask = Ask {
             tokens: n,
             first_message_tokens,
             keys,
+            previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
         };
         let placed = self.rule.place(&ask, &choices)?;
         Some(Decision {
@@ -141,6 +158,7 @@ impl Strategy for PreciseCacheAware {
             reason: placed.reason,
             score: Some(placed.score),
             hint: None,
+            conversation: Some(keys.conversation),
         })
     }
 
@@ -148,8 +166,11 @@ impl Strategy for PreciseCacheAware {
     /// pending there, and since the replica must now store some, events must follow
     /// (`StreamState::note_routed` starts the staleness clock).
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
-        let (Some(tokens), Some(c)) = (input.token_ids, fleet.candidates.get(decision.target))
-        else {
+        let Some(c) = fleet.candidates.get(decision.target) else {
+            return;
+        };
+        remember_target(self.conversations.as_deref(), input, c, decision);
+        let Some(tokens) = input.token_ids else {
             return;
         };
         let Some(kv) = c.kv else { return };

@@ -99,6 +99,7 @@ impl Strategy for Pinned {
                 reason: Reason::Affinity,
                 score: None,
                 hint: None,
+                conversation: None,
             })
     }
 }

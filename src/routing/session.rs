@@ -1,5 +1,5 @@
-//! Session affinity table: `x-session-id` → the target that last served it, with a TTL
-//! and a size cap. Concurrent (dashmap shards), bounded, and keyed by the target's
+//! Session affinity table: `x-session-id` (or a conversation's key) → the target that
+//! last served it, with a TTL and a size cap. Concurrent (dashmap shards), bounded, and keyed by the target's
 //! stable label (`provider/model`) so entries survive config reloads.
 //!
 //! A session id is kept as a 64-bit keyed hash, never as the client's bytes: every entry
@@ -69,14 +69,32 @@ impl SessionTable {
 
     /// The target label a live session is pinned to.
     pub fn get(&self, session: &str, now_ms: u64) -> Option<Arc<str>> {
-        let e = self.map.get(&self.key(session))?;
-        (now_ms < e.expires_ms).then(|| e.target.clone())
+        self.get_by_key(self.key(session), now_ms)
     }
 
     /// Pin (or re-pin) a session to `target` from `now_ms` for one TTL.
     pub fn put(&self, session: &str, target: &str, now_ms: u64) {
+        self.put_by_key(self.key(session), target, now_ms)
+    }
+
+    /// [`get`](Self::get) for a conversation known by a 64-bit key (e.g. a hash of its
+    /// first messages), keyed through this table's own hash like a session id.
+    pub fn get_conversation(&self, conversation: u64, now_ms: u64) -> Option<Arc<str>> {
+        self.get_by_key(self.ids.hash_one(conversation), now_ms)
+    }
+
+    /// [`put`](Self::put) for a conversation known by a 64-bit key.
+    pub fn put_conversation(&self, conversation: u64, target: &str, now_ms: u64) {
+        self.put_by_key(self.ids.hash_one(conversation), target, now_ms)
+    }
+
+    fn get_by_key(&self, key: u64, now_ms: u64) -> Option<Arc<str>> {
+        let e = self.map.get(&key)?;
+        (now_ms < e.expires_ms).then(|| e.target.clone())
+    }
+
+    fn put_by_key(&self, key: u64, target: &str, now_ms: u64) {
         let expires_ms = now_ms.saturating_add(self.ttl_ms.load(Ordering::Relaxed));
-        let key = self.key(session);
         match self.map.get_mut(&key) {
             Some(mut e) => {
                 if &*e.target != target {

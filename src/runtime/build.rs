@@ -613,10 +613,10 @@ fn strategy_for(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Str
     match route.strategy {
         StrategyKind::RoundRobin => Box::new(routing::RoundRobin::default()),
         StrategyKind::LeastLoad => Box::new(routing::LeastLoad),
-        StrategyKind::CacheAware => Box::new(routing::CacheAware::new(
-            route.placement_rule(),
-            route.prompt_bytes_per_token,
-        )),
+        StrategyKind::CacheAware => Box::new(
+            routing::CacheAware::new(route.placement_rule(), route.prompt_bytes_per_token)
+                .remembering(sessions),
+        ),
         StrategyKind::Pipeline => {
             let w = &route.pipeline;
             let weights = routing::PipelineWeights {
@@ -633,7 +633,7 @@ fn strategy_for(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Str
         }
         StrategyKind::LmcacheAware => Box::new(routing::LmcacheAware),
         StrategyKind::PreciseCacheAware => {
-            Box::new(routing::PreciseCacheAware::new(route.placement_rule()))
+            Box::new(routing::PreciseCacheAware::new(route.placement_rule()).remembering(sessions))
         }
     }
 }
