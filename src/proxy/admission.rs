@@ -54,6 +54,18 @@ impl BodyBytes<'_> {
         ok
     }
 
+    /// Give back `n` of the bytes charged (a buffer was allocated smaller than charged).
+    pub fn give_back(&mut self, n: usize) {
+        let n = n.min(self.held);
+        self.counter.fetch_sub(n, Ordering::AcqRel);
+        self.held -= n;
+    }
+
+    /// Bytes charged right now.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
     /// Give back everything charged so far (the body's buffer was freed).
     pub fn release(&mut self) {
         self.counter.fetch_sub(self.held, Ordering::AcqRel);
