@@ -96,7 +96,7 @@ struct Receiving<'r, 'c> {
     /// Body bytes received.
     received: usize,
     /// Chunks received before the buffer was allocated, not copied yet.
-    held: [Bytes; HELD_CHUNKS],
+    held: [Option<Bytes>; HELD_CHUNKS],
     held_count: usize,
     /// The buffer, once the held chunks outgrow the reservation or the slots.
     buf: Option<BodyBuf>,
@@ -138,7 +138,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
             return Err(GatewayError::PayloadTooLarge { limit: self.limit });
         }
         if self.buf.is_none() && needed <= self.reserved && self.held_count < HELD_CHUNKS {
-            self.held[self.held_count] = chunk;
+            self.held[self.held_count] = Some(chunk);
             self.held_count += 1;
             self.received = needed;
             return Ok(());
@@ -176,9 +176,11 @@ impl<'r, 'c> Receiving<'r, 'c> {
     fn buffer(&mut self, capacity: usize) -> &mut BodyBuf {
         self.buf.get_or_insert_with(|| {
             let mut buf = BodyBuf::with_capacity(capacity);
-            for chunk in &mut self.held[..self.held_count] {
-                buf.extend(chunk);
-                *chunk = Bytes::new();
+            for chunk in self.held[..self.held_count]
+                .iter_mut()
+                .filter_map(Option::take)
+            {
+                buf.extend(&chunk);
             }
             self.held_count = 0;
             buf
@@ -188,7 +190,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
     /// The whole body. Held chunks are copied into a buffer of their exact size, and
     /// the reservation it does not use is given back.
     fn finish(mut self) -> BodyBuf {
-        if self.buf.is_none() {
+        if self.buf.is_none() && self.reserved > self.received {
             self.charge.give_back(self.reserved - self.received);
             self.reserved = self.received;
         }
@@ -275,7 +277,7 @@ mod tests {
         match &r.buf {
             Some(buf) => assert_eq!(buf.body_capacity(), r.reserved),
             None => {
-                let held: usize = r.held[..r.held_count].iter().map(Bytes::len).sum();
+                let held: usize = r.held.iter().flatten().map(Bytes::len).sum();
                 assert_eq!(held, r.received);
                 assert!(held <= r.reserved && r.held_count <= HELD_CHUNKS);
             }
