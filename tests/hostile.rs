@@ -68,9 +68,8 @@ async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_
         "[limits]\nmax_inflight = 2\nmax_body_bytes = 70000\nmax_buffered_body_bytes = 100000\n",
     ))
     .await;
-    // A body is charged for the buffer it holds: 2 KiB of room for the upstream request
-    // head plus its declared length, up to 64 KiB ahead of its bytes (it grows as they
-    // come).
+    // A body is charged for the memory it holds: 2 KiB of room for the upstream request
+    // head plus its declared length, up to 64 KiB ahead of its bytes (more as they come).
     let charge = |declared: usize| (2048 + declared.min(64 * 1024)) as f64;
     // Three clients (more than max_inflight) start bodies and stall: a slowloris.
     let mut stalled = Vec::new();

@@ -5,12 +5,14 @@
 //! the rest of the body is read and discarded for a bounded while ([`discard_rest`]).
 //!
 //! Copies: pingora hands each received chunk over as its own `Bytes` (its copy out of
-//! the connection's read buffer). The first chunks are held as they are, and copied once
-//! into a buffer sized when the body ends or outgrows its first reservation
-//! ([`Receiving`]): a body declared by `Content-Length` is then copied into a buffer of
-//! its exact size, with no reallocation (for a body up to `DECLARED_SHARE` times
-//! `RESERVE_AHEAD`). Every byte of buffer is charged to the body budget before it is
-//! allocated, and the held chunks never outgrow what was charged for them.
+//! the connection's read buffer). Up to `HELD_CHUNKS` of them are held as they are and
+//! copied once into a buffer ([`Receiving`]) sized when the body ends (its exact length),
+//! when a declared body has sent `1 / DECLARED_SHARE` of its `Content-Length` past the
+//! first reservation (the whole declared length), or when the slots run out (double
+//! what is held). So a body that arrives in at most `HELD_CHUNKS` chunks (pingora reads
+//! up to 64 KiB at a time), or declared up to `DECLARED_SHARE * RESERVE_AHEAD`, is
+//! copied once, with no reallocation. Every byte held is charged to the body budget: a
+//! buffer before it is allocated, a held chunk as it is received.
 
 use super::admission::BodyBytes;
 use super::error::GatewayError;
@@ -30,8 +32,9 @@ const RESERVE_UNDECLARED: usize = 16 * 1024;
 /// KiB) is copied once, into a buffer of its exact size.
 const DECLARED_SHARE: usize = 8;
 /// Chunks held before the first copy. Few, so a client trickling tiny chunks cannot
-/// make the holding cost more than it is charged: each holds at least a byte, and the
-/// whole (at most `HELD_CHUNKS` small allocations) fits in the charged `HEAD_ROOM`.
+/// make the holding cost more than it is charged: the held bytes are charged, and the
+/// overhead of their allocations (at most `HELD_CHUNKS` blocks) fits in the charged
+/// `HEAD_ROOM`, which is not allocated until the buffer is.
 const HELD_CHUNKS: usize = 8;
 
 /// Read the whole request body (at most `limit` bytes, within `timeout`) into a buffer
@@ -84,8 +87,8 @@ pub async fn read_body(
 }
 
 /// A body being received, and what is charged for it: [`HEAD_ROOM`] plus the body
-/// capacity `reserved`, which covers the held chunks until the buffer exists, then the
-/// buffer's capacity.
+/// capacity `reserved`, which covers the held chunks (the first reservation, or their
+/// length past it) until the buffer exists, then the buffer's capacity.
 struct Receiving<'r, 'c> {
     declared: Option<usize>,
     limit: usize,
@@ -130,14 +133,24 @@ impl<'r, 'c> Receiving<'r, 'c> {
         })
     }
 
-    /// Take one received chunk: held while it fits the reservation and a slot, else
-    /// copied into the buffer (allocated or grown first, and charged).
+    /// Take one received chunk: held while a slot is free (and a declared body is not
+    /// due its whole buffer), else copied into the buffer (allocated or grown first, and
+    /// charged).
     fn push(&mut self, chunk: Bytes) -> Result<(), GatewayError> {
         let needed = self.received + chunk.len();
         if needed > self.limit {
             return Err(GatewayError::PayloadTooLarge { limit: self.limit });
         }
-        if self.buf.is_none() && needed <= self.reserved && self.held_count < HELD_CHUNKS {
+        if self.buf.is_none() && self.held_count < HELD_CHUNKS && !self.given_whole(needed) {
+            // Past the reservation, a held chunk is charged as it comes (it is its own
+            // allocation of its length): a body that ends within `HELD_CHUNKS` chunks, or
+            // is given its whole buffer by then, is copied once.
+            if needed > self.reserved {
+                if !self.charge.grow(needed - self.reserved, self.budget) {
+                    return Err(GatewayError::BodiesOverBudget { limit: self.budget });
+                }
+                self.reserved = needed;
+            }
             self.held[self.held_count] = Some(chunk);
             self.held_count += 1;
             self.received = needed;
@@ -156,6 +169,15 @@ impl<'r, 'c> Receiving<'r, 'c> {
         buf.extend(&chunk);
         self.received = needed;
         Ok(())
+    }
+
+    /// Whether a declared body past its reservation gets its whole length with `needed`
+    /// bytes in: `1 / DECLARED_SHARE` of it.
+    fn given_whole(&self, needed: usize) -> bool {
+        needed > self.reserved
+            && self
+                .declared
+                .is_some_and(|declared| needed.saturating_mul(DECLARED_SHARE) >= declared)
     }
 
     /// The body capacity for `needed` bytes: a declared body's whole length once a
@@ -274,6 +296,8 @@ mod tests {
     /// it exists) a reservation that covers the held chunks.
     fn assert_charge_covers(r: &Receiving) {
         assert_eq!(r.charge.held(), HEAD_ROOM + r.reserved);
+        // What is reserved ahead of the bytes (`limits.max_buffered_body_bytes` docs).
+        assert!(r.reserved - r.received <= RESERVE_AHEAD.max(7 * r.received));
         match &r.buf {
             Some(buf) => assert_eq!(buf.body_capacity(), r.reserved),
             None => {
@@ -315,8 +339,9 @@ mod tests {
         assert_eq!(a.buffered(), HEAD_ROOM + RESERVE_AHEAD, "nothing sent yet");
         r.push(Bytes::from_static(&[b' '; 10])).unwrap();
         assert!(r.buf.is_none(), "a held chunk allocates no buffer");
-        // Past the first reservation, the buffer grows (doubling) until an eighth of the
-        // declared length is in, then takes the whole of it.
+        // Past the first reservation the chunks are held, charged as they come, until an
+        // eighth of the declared length is in: then the buffer takes the whole of it,
+        // allocated once.
         let mut received = 10;
         while received < declared {
             let n = (64 * 1024).min(declared - received);
@@ -328,6 +353,9 @@ mod tests {
                 "{} reserved for {received} received",
                 r.reserved
             );
+            if let Some(buf) = &r.buf {
+                assert_eq!(buf.body_capacity(), declared, "allocated once, whole");
+            }
         }
         assert_eq!(r.reserved, declared);
         assert_eq!(r.finish().len(), declared);
@@ -348,7 +376,22 @@ mod tests {
         drop(buf);
         drop(charge);
         assert_eq!(a.buffered(), 0);
-        // A large undeclared body grows by doubling, charged for each capacity.
+        // A larger one in few chunks is held, charged as it comes, and copied once.
+        let mut charge = a.body_bytes();
+        let body = vec![b'w'; 300_000];
+        let mut r = Receiving::new(None, LIMIT, &mut charge, BUDGET).unwrap();
+        for chunk in chunks_of(&body, 64 * 1024) {
+            r.push(chunk).unwrap();
+            assert_charge_covers(&r);
+            assert!(r.buf.is_none());
+        }
+        let mut buf = r.finish();
+        assert_eq!(buf.body(), &body[..]);
+        assert_eq!(a.buffered(), HEAD_ROOM + body.len());
+        drop(buf);
+        drop(charge);
+        // One in many chunks is held until the slots run out, then grows by doubling,
+        // charged for each capacity.
         let mut charge = a.body_bytes();
         let body = vec![b'y'; 200_000];
         let mut r = Receiving::new(None, LIMIT, &mut charge, BUDGET).unwrap();
@@ -420,6 +463,18 @@ mod tests {
         let declared = 90_000;
         let mut r = Receiving::new(Some(declared), LIMIT, &mut charge, budget).unwrap();
         r.push(Bytes::from(vec![b'a'; 60_000])).unwrap();
+        let before = a.buffered();
+        assert!(matches!(
+            r.push(Bytes::from(vec![b'a'; 30_000])),
+            Err(GatewayError::BodiesOverBudget { .. })
+        ));
+        assert_eq!(a.buffered(), before);
+        drop(r);
+        charge.release();
+        // A held chunk past the reservation is charged too.
+        let mut r = Receiving::new(None, LIMIT, &mut charge, budget).unwrap();
+        r.push(Bytes::from(vec![b'a'; 60_000])).unwrap();
+        assert_eq!(a.buffered(), 20_000 + HEAD_ROOM + 60_000);
         let before = a.buffered();
         assert!(matches!(
             r.push(Bytes::from(vec![b'a'; 30_000])),
