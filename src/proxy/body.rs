@@ -9,8 +9,9 @@
 //! copied once into a buffer ([`Receiving`]) sized when the body ends (its exact length),
 //! when a declared body has sent `1 / DECLARED_SHARE` of its `Content-Length` past the
 //! first reservation (the whole declared length), or when the slots run out (double
-//! what is held). So a body that arrives in at most `HELD_CHUNKS` chunks (pingora reads
-//! up to 64 KiB at a time), or declared up to `DECLARED_SHARE * RESERVE_AHEAD`, is
+//! the reservation). So a body that arrives in at most `HELD_CHUNKS` chunks (pingora reads
+//! up to 64 KiB at a time), or is declared and sends an eighth of its length within
+//! them (any body up to `DECLARED_SHARE * RESERVE_AHEAD` that is not trickled), is
 //! copied once, with no reallocation. Every byte held is charged to the body budget: a
 //! buffer before it is allocated, a held chunk as it is received.
 
@@ -27,7 +28,7 @@ const RESERVE_AHEAD: usize = 64 * 1024;
 /// What a body without a declared length is first reserved.
 const RESERVE_UNDECLARED: usize = 16 * 1024;
 /// A declared body is given its whole buffer once `1 / DECLARED_SHARE` of it has arrived
-/// (before that, the buffer doubles): a client holds at most this many times the bytes it
+/// (before that, its chunks are held or its buffer doubles): a client holds at most this many times the bytes it
 /// sent (all of them charged), and a body up to `DECLARED_SHARE * RESERVE_AHEAD` (512
 /// KiB) is copied once, into a buffer of its exact size.
 const DECLARED_SHARE: usize = 8;
