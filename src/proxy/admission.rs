@@ -13,7 +13,8 @@
 //! slowly (a slowloris, or a slow link) cannot fill `max_inflight` and lock everyone out
 //! of proxying; the memory of bodies still arriving is bounded by the byte budget
 //! instead, charged as the body grows (the chunks held before its buffer, then each
-//! buffer allocation; `body::read_body`), so a dribbling client holds little. A body is let go once the upstream's answer starts.
+//! buffer allocation; `body::read_body`), so a dribbling client holds little. A body is
+//! let go once the upstream's answer starts.
 //!
 //! A pingora 0.9.1 limit that is *not* configurable, and so is not a config key: 256
 //! header fields (`MAX_HEADERS`); beyond it pingora answers 400 and closes the connection
