@@ -28,9 +28,10 @@ const RESERVE_AHEAD: usize = 64 * 1024;
 /// What a body without a declared length is first reserved.
 const RESERVE_UNDECLARED: usize = 16 * 1024;
 /// A declared body is given its whole buffer once `1 / DECLARED_SHARE` of it has arrived
-/// (before that, its chunks are held or its buffer doubles): a client holds at most this many times the bytes it
-/// sent (all of them charged), and a body up to `DECLARED_SHARE * RESERVE_AHEAD` (512
-/// KiB) is copied once, into a buffer of its exact size.
+/// (before that, its chunks are held or its buffer doubles): a client holds at most this
+/// many times the bytes it sent (all of them charged), and a body up to
+/// `DECLARED_SHARE * RESERVE_AHEAD` (512 KiB) that is not trickled is copied once, into a
+/// buffer of its exact size.
 const DECLARED_SHARE: usize = 8;
 /// Chunks held before the first copy. Few, so a client trickling tiny chunks cannot
 /// make the holding cost more than it is charged: the held bytes are charged, and the
