@@ -68,9 +68,8 @@ async fn slow_body_senders_hold_no_proxy_slot_and_bodies_are_held_within_a_byte_
         "[limits]\nmax_inflight = 2\nmax_body_bytes = 70000\nmax_buffered_body_bytes = 100000\n",
     ))
     .await;
-    // A body is charged for the buffer it holds: 2 KiB of room for the upstream request
-    // head plus its declared length, up to 64 KiB ahead of its bytes (it grows as they
-    // come).
+    // A body is charged for the memory it holds: 2 KiB of room for the upstream request
+    // head plus its declared length, up to 64 KiB ahead of its bytes (more as they come).
     let charge = |declared: usize| (2048 + declared.min(64 * 1024)) as f64;
     // Three clients (more than max_inflight) start bodies and stall: a slowloris.
     let mut stalled = Vec::new();
@@ -425,6 +424,9 @@ fn cases(evil_port: u16) -> Vec<Case> {
     invalid_utf8.extend_from_slice(br#""}]}"#);
     let ok_len = ok.len();
     let (ok_a, ok_b) = ok.split_at(ok_len / 2);
+    // Over the body buffer's first reservation (64 KiB) and under BODY_LIMIT.
+    let long = chat(&"a long prompt, ".repeat(50_000));
+    let tiny = chat(&"t".repeat(3000));
     let evil = format!("127.0.0.1:{evil_port}");
 
     vec![
@@ -500,6 +502,13 @@ fn cases(evil_port: u16) -> Vec<Case> {
         case("valid chunked body, then a second request on the connection", post_chunked(&[ok_a, ok_b], ""), 200, Relayed)
             .upstream(Upstream::Body(upstream_view(&ok)))
             .then(Then::Answered(post(&chat("second"), ""))),
+        // Buffered in many pieces: held, then copied into the buffer as it grows.
+        case("chunked body in 1-byte chunks", post_chunked(&tiny.chunks(1).collect::<Vec<_>>(), ""), 200, Relayed)
+            .upstream(Upstream::Body(upstream_view(&tiny))),
+        case("chunked 750 KB body in 190-byte chunks", post_chunked(&long.chunks(190).collect::<Vec<_>>(), ""), 200, Relayed)
+            .upstream(Upstream::Body(upstream_view(&long))),
+        case("750 KB body with its Content-Length", post(&long, ""), 200, Relayed)
+            .upstream(Upstream::Body(upstream_view(&long))),
         case("chunk size not hex", http("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nTransfer-Encoding: chunked", b"zz\r\n{}\r\n0\r\n\r\n"), 400, OpenAi("bad_request")).then(Then::Closed),
         case("chunk size overflows", http("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nTransfer-Encoding: chunked", b"fffffffffffffffffffff\r\n{}\r\n0\r\n\r\n"), 400, OpenAi("bad_request")).then(Then::Closed),
         case("chunk data longer than its size", http("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nTransfer-Encoding: chunked", b"2\r\n{}XX\r\n0\r\n\r\n"), 400, OpenAi("bad_request")).then(Then::Closed),

@@ -12,8 +12,9 @@
 //! Why two limits: a slot is taken once the body is in, so clients that send their bodies
 //! slowly (a slowloris, or a slow link) cannot fill `max_inflight` and lock everyone out
 //! of proxying; the memory of bodies still arriving is bounded by the byte budget
-//! instead, charged per buffer allocation as the body grows (`body::read_body`), so a
-//! dribbling client holds little. A body is let go once the upstream's answer starts.
+//! instead, charged as the body grows (the chunks held before its buffer, then each
+//! buffer allocation; `body::read_body`), so a dribbling client holds little. A body is
+//! let go once the upstream's answer starts.
 //!
 //! A pingora 0.9.1 limit that is *not* configurable, and so is not a config key: 256
 //! header fields (`MAX_HEADERS`); beyond it pingora answers 400 and closes the connection
@@ -52,6 +53,18 @@ impl BodyBytes<'_> {
             self.held += n;
         }
         ok
+    }
+
+    /// Give back `n` of the bytes charged (a buffer was allocated smaller than charged).
+    pub fn give_back(&mut self, n: usize) {
+        let n = n.min(self.held);
+        self.counter.fetch_sub(n, Ordering::AcqRel);
+        self.held -= n;
+    }
+
+    /// Bytes charged right now.
+    pub fn held(&self) -> usize {
+        self.held
     }
 
     /// Give back everything charged so far (the body's buffer was freed).
