@@ -273,18 +273,19 @@ impl PlacementRule {
     }
 
     /// New work goes only to targets with fewer than this many in flight: those whose load
-    /// with the new request stays within `load_bound` × the mean load (counting it), as in
-    /// consistent hashing with bounded loads, and always the least loaded. A group whose
-    /// homes are all past the bound opens a new home on an idle target instead of queueing.
+    /// with the new request stays within `ceil(load_bound × mean)`, the mean counting it
+    /// (consistent hashing with bounded loads), and always those at most one beyond the
+    /// least loaded: at low load one request is no imbalance, and a gateway that sees only
+    /// its share of the traffic (several gateways) must not spill on a difference of one.
+    /// A group whose homes are all past the bound opens a new home instead of queueing.
     pub fn new_work_bound(&self, choices: &[Choice], q_min: u64) -> u64 {
         if self.load_bound <= 0.0 {
             return u64::MAX;
         }
         let total: u64 = choices.iter().map(|c| c.inflight).sum();
         let mean = (total + 1) as f64 / choices.len().max(1) as f64;
-        // inflight + 1 <= load_bound × mean  <=>  inflight < floor(load_bound × mean).
-        let cap = (self.load_bound * mean).floor() as u64;
-        cap.max(q_min + 1)
+        let cap = (self.load_bound * mean).ceil() as u64;
+        cap.max(q_min + 2)
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -529,8 +530,8 @@ mod tests {
             ..rule()
         };
         // 0 holds the group's 2,000-token prompt and has 4 in flight; the mean counting
-        // this request is 6/4, so the bound is 1.5 × 1.5 = 2.25 with it: 0 is past it,
-        // and the other targets have room for the whole prompt.
+        // this request is 6/4, so a target may reach ceil(1.5 × 1.5) = 3 with it: 0 is
+        // past that, and the other targets have room for the whole prompt.
         let loads = [4, 0, 1, 0];
         let cached = [2000.0, 0.0, 0.0, 0.0];
         let c = with_room(choices(&loads, &cached), &[0.0, 8000.0, 8000.0, 8000.0]);
