@@ -140,16 +140,24 @@ async fn round_robin_alternates() {
         .contains("\"upstream-model-1\"")));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
+/// Two least_load targets and one request held in flight for `delay` on one of them: the
+/// stubs (answering at once from now on), the gateway, the busy target's id and the slow
+/// request's task (the `x-stub-id` that answered it).
+async fn one_slow_request_in_flight(
+    delay: Duration,
+) -> (
+    Stub,
+    Stub,
+    Gateway,
+    &'static str,
+    tokio::task::JoinHandle<String>,
+) {
     let (a, b) = (
         Stub::start("a").await.unwrap(),
         Stub::start("b").await.unwrap(),
     );
-    // Long enough that the five fast requests below finish while it is still in flight,
-    // even on a loaded CI machine (at 1.5 s it once ended first while a build ran).
     let slow = Behaviour {
-        delay: Duration::from_secs(4),
+        delay,
         ..Default::default()
     };
     a.set_behaviour(slow.clone());
@@ -177,6 +185,14 @@ async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
     let busy = if a.active() == 1 { "a" } else { "b" };
     a.set_behaviour(Behaviour::default());
     b.set_behaviour(Behaviour::default());
+    (a, b, gw, busy, slow_req)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
+    // Long enough that the five fast requests below finish while it is still in flight,
+    // even on a loaded CI machine (at 1.5 s it once ended first while a build ran).
+    let (_a, _b, gw, busy, slow_req) = one_slow_request_in_flight(Duration::from_secs(4)).await;
     for i in 0..5 {
         let (status, id, _) = post_chat(&gw, chat_body("alias", &format!("fast {i}"), false)).await;
         assert_eq!(status, 200);
@@ -198,35 +214,8 @@ async fn least_load_avoids_a_target_with_a_slow_request_in_flight() {
 /// make that window likely to show if it comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answered_request_has_freed_its_slot_when_the_client_sends_the_next() {
-    let (a, b) = (
-        Stub::start("a").await.unwrap(),
-        Stub::start("b").await.unwrap(),
-    );
     // In flight for the whole test, however slow the machine.
-    let slow = Behaviour {
-        delay: Duration::from_secs(60),
-        ..Default::default()
-    };
-    a.set_behaviour(slow.clone());
-    b.set_behaviour(slow);
-    let gw = Gateway::start(&routes_toml(&[a.url(), b.url()], "least_load", "")).await;
-    let url = gw.url("/v1/chat/completions");
-    let _slow = tokio::spawn(async move {
-        reqwest::Client::new()
-            .post(url)
-            .body(chat_body("alias", "slow one", false))
-            .send()
-            .await
-    });
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            a.active() + b.active() == 1
-        })
-        .await
-    );
-    let busy = if a.active() == 1 { "a" } else { "b" };
-    a.set_behaviour(Behaviour::default());
-    b.set_behaviour(Behaviour::default());
+    let (_a, _b, gw, busy, _slow) = one_slow_request_in_flight(Duration::from_secs(60)).await;
     let n = 500;
     let mut to_busy = 0;
     for i in 0..n {
