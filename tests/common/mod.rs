@@ -172,6 +172,12 @@ impl Gateway {
     }
 
     /// Wait until *our* process answers `/health`; false if it exited first.
+    ///
+    /// The port was free when picked but another test's stub may have bound it since
+    /// (stubs bind port 0 too, and the kernel hands a just-released port out again):
+    /// then our gateway fails to bind and exits, but until it does the stub answers
+    /// `/health` with 200, and taking that for the gateway sent a whole test's traffic
+    /// to another test's stub. rolter's `/health` says `ok`; the stubs' says nothing.
     async fn wait_healthy(&mut self) -> bool {
         let deadline = Instant::now() + STARTUP_LIMIT;
         let client = reqwest::Client::new();
@@ -180,8 +186,16 @@ impl Gateway {
                 return false;
             }
             if let Ok(r) = client.get(self.url("/health")).send().await {
-                if r.status().is_success() && self.child.try_wait().ok().flatten().is_none() {
+                let ok = r.status().is_success();
+                let rolter = r.text().await.is_ok_and(|body| body == "ok\n");
+                if ok && rolter && self.child.try_wait().ok().flatten().is_none() {
                     return true;
+                }
+                if ok && !rolter {
+                    // Someone else's server: ours cannot have the port.
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    return false;
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
