@@ -92,13 +92,19 @@ pub fn write_pingora_yaml(dir: &std::path::Path) -> PathBuf {
 /// The file in a gateway's `dir` that [`Gateway::start_logged`] writes its log to.
 pub const LOG_FILE: &str = "rolter.log";
 
-/// Wait until a gateway on `port` answers `/health` with 200 (false after `limit`).
+/// Wait until a gateway on `port` answers `/health` with 200 and rolter's `ok` (a stub
+/// that took the port answers 200 with nothing; false after `limit`).
 pub async fn wait_healthy_on(port: u16, limit: Duration) -> bool {
     let client = reqwest::Client::new();
     let url = format!("http://127.0.0.1:{port}/health");
     eventually(limit, || {
         let req = client.get(&url).timeout(Duration::from_secs(1)).send();
-        async move { req.await.is_ok_and(|r| r.status().is_success()) }
+        async move {
+            match req.await {
+                Ok(r) if r.status().is_success() => r.text().await.is_ok_and(|b| b == "ok\n"),
+                _ => false,
+            }
+        }
     })
     .await
 }
