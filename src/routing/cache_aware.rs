@@ -146,7 +146,7 @@ impl Strategy for CacheAware {
                     inflight: c.inflight,
                     cached_tokens: score * len / self.bytes_per_token,
                     room_tokens: c.prefix.map_or(0.0, |t| {
-                        t.max_nodes().saturating_sub(t.node_count()) as f64
+                        (t.max_nodes() / 2).saturating_sub(t.node_count()) as f64
                             * TRIE_PROMPT_BYTES_PER_NODE
                             / self.bytes_per_token
                     }),

@@ -142,8 +142,9 @@ pub struct Choice<'a> {
     pub cached_tokens: f64,
     /// Stable identity (`provider/model`), the same on every gateway.
     pub label: &'a str,
-    /// Tokens the target can take without evicting anything, as far as the caller knows
-    /// (0 when unknown).
+    /// Tokens the target can take while its cache stays at most half full, as far as the
+    /// caller knows (0 when unknown): a target with that much room holds little enough
+    /// that a new home there evicts nothing another group needs.
     pub room_tokens: f64,
 }
 
@@ -221,9 +222,9 @@ impl PlacementRule {
             Some(home) => (home, self.balance_abs.saturating_mul(2)),
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
-                // that take it without evicting anything (they hold its prefix, or have room
-                // for what they do not hold): on a full fleet, spilling a new prefix onto
-                // another group's replica evicts that group, which costs more than it saves.
+                // that take it cheaply (they hold its prefix, or their cache stays at most
+                // half full with it): spilling a new prefix onto a replica busy with another
+                // group evicts that group or adds a home the fleet's balance did not need.
                 let bound = self.new_work_bound(choices, q_min);
                 let takes = |c: &&Choice| {
                     c.inflight < bound && (counted(c) > 0.0 || c.room_tokens >= tokens)
