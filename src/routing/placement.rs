@@ -30,6 +30,12 @@
 //!    `balance_abs / 2` of `q_min` (reason `overloaded`), which for a hot system prompt
 //!    usually opens a second home for its group: later new conversations then spread
 //!    over both at the cost of their first user message.
+//! 5. A conversation whose history no view holds any more is kept by the target that
+//!    served its last turn (`Ask::previous`, remembered by the caller), if that target
+//!    holds as much of the prompt as any.
+//! 6. Bounded load (`load_bound`): new work skips targets past `ceil(load_bound × mean)`
+//!    in flight (never below `q_min + 2`) when a target within the bound takes it
+//!    cheaply: it holds the prefix, or is idle (`Choice::room_tokens`).
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
