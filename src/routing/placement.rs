@@ -184,15 +184,7 @@ impl PlacementRule {
     pub fn place(&self, ask: &Ask, choices: &[Choice]) -> Option<Placed> {
         let q_min = choices.iter().map(|c| c.inflight).min()?;
         let tokens = ask.tokens.max(1.0);
-        let counted = |c: &Choice| {
-            if c.cached_tokens / tokens >= self.threshold
-                || c.cached_tokens >= ALWAYS_COUNTED_TOKENS
-            {
-                c.cached_tokens.min(tokens)
-            } else {
-                0.0
-            }
-        };
+        let counted = |c: &Choice| self.counted(c.cached_tokens, tokens);
         let lambda = self.load_cost_tokens;
         let cost = |c: &Choice| (tokens - counted(c)) + lambda * (c.inflight - q_min) as f64;
         let best_cached = choices.iter().map(counted).fold(0.0, f64::max);
@@ -212,9 +204,6 @@ impl PlacementRule {
             .find(|c| best_cached > 0.0 && counted(c) >= best_cached)
             .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS)
             .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS)
-            // The history may be gone from every view (evicted) while the replica that
-            // served the last turn still holds part of it and surely the group's prefix:
-            // the conversation stays there, unless another target holds its history.
             // The history may be gone from every view while the target that served the
             // last turn still holds some of it: among the targets holding the most of the
             // prompt, that one is the conversation's own.
