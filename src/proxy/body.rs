@@ -119,9 +119,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
             .unwrap_or(RESERVE_UNDECLARED)
             .min(limit)
             .min(RESERVE_AHEAD);
-        if !charge.grow(HEAD_ROOM + reserved, budget) {
-            return Err(GatewayError::BodiesOverBudget { limit: budget });
-        }
+        charge_more(charge, HEAD_ROOM + reserved, budget)?;
         Ok(Receiving {
             declared,
             limit,
@@ -148,9 +146,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
             // allocation of its length): a body that ends within `HELD_CHUNKS` chunks, or
             // is given its whole buffer by then, is copied once.
             if needed > self.reserved {
-                if !self.charge.grow(needed - self.reserved, self.budget) {
-                    return Err(GatewayError::BodiesOverBudget { limit: self.budget });
-                }
+                charge_more(self.charge, needed - self.reserved, self.budget)?;
                 self.reserved = needed;
             }
             self.held[self.held_count] = Some(chunk);
@@ -160,9 +156,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
         }
         if needed > self.reserved {
             let grown = self.grown(needed);
-            if !self.charge.grow(grown - self.reserved, self.budget) {
-                return Err(GatewayError::BodiesOverBudget { limit: self.budget });
-            }
+            charge_more(self.charge, grown - self.reserved, self.budget)?;
             self.reserved = grown;
         }
         let reserved = self.reserved;
@@ -173,24 +167,25 @@ impl<'r, 'c> Receiving<'r, 'c> {
         Ok(())
     }
 
+    /// The declared length, once `needed` bytes are `1 / DECLARED_SHARE` of it or more.
+    fn whole_due(&self, needed: usize) -> Option<usize> {
+        self.declared
+            .filter(|&declared| needed.saturating_mul(DECLARED_SHARE) >= declared)
+    }
+
     /// Whether a declared body past its reservation gets its whole length with `needed`
-    /// bytes in: `1 / DECLARED_SHARE` of it.
+    /// bytes in.
     fn given_whole(&self, needed: usize) -> bool {
-        needed > self.reserved
-            && self
-                .declared
-                .is_some_and(|declared| needed.saturating_mul(DECLARED_SHARE) >= declared)
+        needed > self.reserved && self.whole_due(needed).is_some()
     }
 
     /// The body capacity for `needed` bytes: a declared body's whole length once a
     /// `1 / DECLARED_SHARE` of it is in, else double the reservation.
     fn grown(&self, needed: usize) -> usize {
-        match self.declared {
-            Some(declared) if needed.saturating_mul(DECLARED_SHARE) >= declared => {
-                declared.max(needed)
-            }
-            Some(declared) => needed.max(2 * self.reserved).min(declared),
-            None => needed.max(2 * self.reserved),
+        match (self.whole_due(needed), self.declared) {
+            (Some(declared), _) => declared.max(needed),
+            (None, Some(declared)) => needed.max(2 * self.reserved).min(declared),
+            (None, None) => needed.max(2 * self.reserved),
         }
         .min(self.limit)
     }
@@ -221,6 +216,15 @@ impl<'r, 'c> Receiving<'r, 'c> {
         let exact = self.received;
         self.buffer(exact);
         self.buf.take().expect("just made")
+    }
+}
+
+/// Charge `n` more bytes to `charge`, or refuse the body: the global budget is spent.
+fn charge_more(charge: &mut BodyBytes, n: usize, budget: usize) -> Result<(), GatewayError> {
+    if charge.grow(n, budget) {
+        Ok(())
+    } else {
+        Err(GatewayError::BodiesOverBudget { limit: budget })
     }
 }
 
@@ -445,6 +449,16 @@ mod tests {
         assert_eq!(a.buffered(), 0);
     }
 
+    /// A 30,000-byte chunk past the budget is refused, and nothing more is charged.
+    fn refused_taking_nothing(r: &mut Receiving, a: &Admission) {
+        let before = a.buffered();
+        assert!(matches!(
+            r.push(Bytes::from(vec![b'a'; 30_000])),
+            Err(GatewayError::BodiesOverBudget { .. })
+        ));
+        assert_eq!(a.buffered(), before);
+    }
+
     #[test]
     fn a_body_over_the_budget_is_refused_and_a_refused_charge_takes_nothing() {
         let a = Admission::new();
@@ -465,24 +479,14 @@ mod tests {
         let declared = 90_000;
         let mut r = Receiving::new(Some(declared), LIMIT, &mut charge, budget).unwrap();
         r.push(Bytes::from(vec![b'a'; 60_000])).unwrap();
-        let before = a.buffered();
-        assert!(matches!(
-            r.push(Bytes::from(vec![b'a'; 30_000])),
-            Err(GatewayError::BodiesOverBudget { .. })
-        ));
-        assert_eq!(a.buffered(), before);
+        refused_taking_nothing(&mut r, &a);
         drop(r);
         charge.release();
         // A held chunk past the reservation is charged too.
         let mut r = Receiving::new(None, LIMIT, &mut charge, budget).unwrap();
         r.push(Bytes::from(vec![b'a'; 60_000])).unwrap();
         assert_eq!(a.buffered(), 20_000 + HEAD_ROOM + 60_000);
-        let before = a.buffered();
-        assert!(matches!(
-            r.push(Bytes::from(vec![b'a'; 30_000])),
-            Err(GatewayError::BodiesOverBudget { .. })
-        ));
-        assert_eq!(a.buffered(), before);
+        refused_taking_nothing(&mut r, &a);
         drop(r);
         drop(charge);
         assert_eq!(a.buffered(), 20_000);
