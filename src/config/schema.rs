@@ -456,6 +456,10 @@ pub struct RouteConfig {
     /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware).
     #[serde(default = "default_load_bound")]
     pub load_bound: f64,
+    /// Send a new conversation to the home every gateway names for its prefix group
+    /// (cache_aware; see `routing::group_homes`).
+    #[serde(default = "default_group_homes")]
+    pub group_homes: bool,
     /// Node ceiling of each target's prefix trie.
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
@@ -532,6 +536,10 @@ fn default_balance_abs() -> u64 {
 
 fn default_balance_rel() -> f64 {
     crate::routing::placement::DEFAULT_BALANCE_REL
+}
+
+fn default_group_homes() -> bool {
+    crate::routing::placement::DEFAULT_GROUP_HOMES
 }
 
 fn default_load_bound() -> f64 {
@@ -669,6 +677,7 @@ impl RouteConfig {
             balance_abs: self.balance_abs,
             balance_rel: self.balance_rel,
             load_bound: self.load_bound,
+            group_homes: self.group_homes,
         }
     }
 }

@@ -11,6 +11,7 @@
 //! replica's empty queue never makes the others look busy). An empty prompt goes to the
 //! least-loaded target (`fallback`).
 
+use super::group_homes::GroupHomes;
 use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
 use super::{Candidate, Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::MatchHint;
@@ -49,6 +50,7 @@ pub struct CacheAware {
     rule: PlacementRule,
     bytes_per_token: f64,
     conversations: Option<Arc<SessionTable>>,
+    groups: Option<GroupHomes>,
 }
 
 impl CacheAware {
@@ -58,6 +60,7 @@ impl CacheAware {
             rule,
             bytes_per_token: bytes_per_token.max(f64::MIN_POSITIVE),
             conversations: None,
+            groups: rule.group_homes.then(GroupHomes::default),
         }
     }
 
@@ -161,6 +164,10 @@ impl Strategy for CacheAware {
             first_message_tokens: first_len as f64 / self.bytes_per_token,
             keys,
             previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
+            group_home: self.groups.as_ref().and_then(|g| {
+                let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
+                g.note_and_home(keys.group, &labels, input.now_ms)
+            }),
         };
         let placed = self.rule.place(&ask, &choices)?;
         // The chosen target's walk, handed to `record` so its insert starts where it stopped.

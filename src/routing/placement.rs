@@ -57,6 +57,8 @@ pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 /// Default of `load_bound`: new work goes only to targets that, with it, stay within this
 /// multiple of the fleet's mean load (bounded-load placement); 0 turns the bound off.
 pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
+/// Default of `group_homes`.
+pub const DEFAULT_GROUP_HOMES: bool = true;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
 /// the continuation of a conversation that target served (one vLLM block by default).
 pub const CONTINUATION_MIN_TOKENS: f64 = 16.0;
@@ -83,6 +85,9 @@ pub struct PlacementRule {
     /// within this multiple of the fleet's mean (with it), or it is the least loaded.
     /// 0 = no bound.
     pub load_bound: f64,
+    /// Send a new conversation to its group's home (`Ask::group_home`) while the home is
+    /// within the bound and not overloaded.
+    pub group_homes: bool,
 }
 
 impl Default for PlacementRule {
@@ -93,6 +98,7 @@ impl Default for PlacementRule {
             balance_abs: DEFAULT_BALANCE_ABS,
             balance_rel: DEFAULT_BALANCE_REL,
             load_bound: DEFAULT_LOAD_BOUND,
+            group_homes: DEFAULT_GROUP_HOMES,
         }
     }
 }
@@ -166,6 +172,9 @@ pub struct Ask {
     /// The target that served this conversation's previous turn, if the caller remembers
     /// one (index into the route's targets).
     pub previous: Option<usize>,
+    /// The home every gateway names for the prompt's group (`group_homes`), if any (index
+    /// into the route's targets).
+    pub group_home: Option<usize>,
 }
 
 /// The rule's answer.
@@ -229,7 +238,20 @@ impl PlacementRule {
                 } else {
                     self.cheapest(ask, choices.iter(), &cost, &counted)?
                 };
-                (pick, self.balance_abs)
+                // A new conversation goes to its group's home while the home is within
+                // the bound and not overloaded, even if it must first prefill the group's
+                // prefix there: every gateway names the same home, so a group two gateways
+                // placed apart in a burst comes back together.
+                let group_home = ask
+                    .group_home
+                    .filter(|_| self.group_homes)
+                    .and_then(|h| choices.iter().find(|c| c.index == h))
+                    .filter(|h| {
+                        h.inflight < bound
+                            && !self.overloaded(h.inflight, q_min, self.balance_abs)
+                            && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
+                    });
+                (group_home.unwrap_or(pick), self.balance_abs)
             }
         };
         let mut reason = if best_cached == 0.0 {
@@ -375,6 +397,7 @@ mod tests {
                 conversation: key.wrapping_add(1),
             },
             previous: None,
+            group_home: None,
         }
     }
 
@@ -493,6 +516,7 @@ mod tests {
                     conversation: conv.wrapping_mul(0x2545_f491),
                 },
                 previous: None,
+                group_home: None,
             };
             seen[rule.place(&a, &c).unwrap().index] += 1;
         }

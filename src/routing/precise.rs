@@ -151,6 +151,7 @@ impl Strategy for PreciseCacheAware {
             first_message_tokens,
             keys,
             previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
+            group_home: None,
         };
         let placed = self.rule.place(&ask, &choices)?;
         Some(Decision {
