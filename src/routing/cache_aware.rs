@@ -230,7 +230,12 @@ mod tests {
     #[test]
     fn cold_prompts_are_placed_by_their_group_among_the_least_loaded() {
         let t = tries(4);
-        let cs = CacheAware::default();
+        // Group homes off: this is the placement of a group no gateway has a home for.
+        let rule = PlacementRule {
+            group_homes: false,
+            ..Default::default()
+        };
+        let cs = CacheAware::new(rule, DEFAULT_PROMPT_BYTES_PER_TOKEN);
         let c = fleet(&t, &[0, 0, 0, 5], &[true; 4]);
         let mut seen = [0usize; 4];
         for g in 0..200 {
@@ -257,6 +262,33 @@ mod tests {
             "5 in flight is more than one request's worth: {seen:?}"
         );
         assert!(seen[..3].iter().all(|&n| n > 40), "{seen:?}");
+    }
+
+    /// Two gateways that placed one group on different targets (each one's trie shows only
+    /// its own) both send the group's next new conversations to its home.
+    #[test]
+    fn two_gateways_that_split_a_group_bring_it_back_to_one_home() {
+        let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(80));
+        let conversation = |n: usize| format!("{system}\x1euser\x1fquestion {n}\x1e");
+        let (ta, tb) = (tries(4), tries(4));
+        ta[0].insert(conversation(0).as_bytes());
+        tb[1].insert(conversation(1).as_bytes());
+        let (a, b) = (CacheAware::default(), CacheAware::default());
+        let (ca, cb) = (fleet(&ta, &[0; 4], &[true; 4]), fleet(&tb, &[0; 4], &[true; 4]));
+        let pick = |s: &CacheAware, c: &[Candidate], n: usize| {
+            let p = conversation(n);
+            let d = s.select(&input(p.as_bytes()), &FleetView::new(c)).unwrap();
+            s.record(&input(p.as_bytes()), &FleetView::new(c), &d);
+            d
+        };
+        // First sight of the group on each gateway: its own holder.
+        assert_eq!(pick(&a, &ca, 2).target, 0);
+        assert_eq!(pick(&b, &cb, 3).target, 1);
+        // From the second on, both name the same home.
+        for n in 4..10 {
+            let (da, db) = (pick(&a, &ca, n), pick(&b, &cb, n + 100));
+            assert_eq!(da.target, db.target, "conversation {n}");
+        }
     }
 
     /// Loads are compared among eligible targets only: a broken replica's empty queue must

@@ -121,11 +121,14 @@ pub enum Reason {
     Scored,
     /// Most free cache capacity for its load (lmcache_aware).
     CacheCapacity,
+    /// A new conversation sent to the home every gateway names for its prefix group,
+    /// though another target holds more of the prompt (see `group_homes`).
+    GroupHome,
 }
 
 impl Reason {
     /// Every reason, each at the index `reason as usize`.
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 10] = [
         Reason::RoundRobin,
         Reason::LeastLoad,
         Reason::CacheHit,
@@ -135,6 +138,7 @@ impl Reason {
         Reason::Affinity,
         Reason::Scored,
         Reason::CacheCapacity,
+        Reason::GroupHome,
     ];
 
     /// Stable label value for metrics and logs.
@@ -149,6 +153,7 @@ impl Reason {
             Reason::Affinity => "affinity",
             Reason::Scored => "scored",
             Reason::CacheCapacity => "cache_capacity",
+            Reason::GroupHome => "group_home",
         }
     }
 }
@@ -313,7 +318,8 @@ mod tests {
             | Reason::Fallback
             | Reason::Affinity
             | Reason::Scored
-            | Reason::CacheCapacity => Reason::ALL.contains(&r),
+            | Reason::CacheCapacity
+            | Reason::GroupHome => Reason::ALL.contains(&r),
         };
         assert!(Reason::ALL.iter().all(|&r| listed(r)));
         let mut labels = std::collections::HashSet::new();

@@ -182,7 +182,7 @@ pub struct Ask {
 pub struct Placed {
     /// Index into the route's targets.
     pub index: usize,
-    /// Why: `cache_hit`, `overloaded` or `below_threshold`.
+    /// Why: `cache_hit`, `overloaded`, `group_home` or `below_threshold`.
     pub reason: Reason,
     /// Fraction of the prompt the chosen target holds (0 below the threshold).
     pub score: f64,
@@ -247,17 +247,19 @@ impl PlacementRule {
                     .filter(|_| self.group_homes)
                     .and_then(|h| choices.iter().find(|c| c.index == h))
                     .filter(|h| {
-                        h.inflight < bound
-                            && !self.overloaded(h.inflight, q_min, self.balance_abs)
+                        h.inflight <= pick.inflight
                             && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
                     });
                 (group_home.unwrap_or(pick), self.balance_abs)
             }
         };
+        let to_group_home = Some(pick.index) == ask.group_home;
         let mut reason = if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
             Reason::CacheHit
+        } else if to_group_home {
+            Reason::GroupHome
         } else {
             Reason::Overloaded
         };
@@ -671,6 +673,53 @@ mod tests {
         let (_, first) = PlacementKeys::from_prompt(&p);
         assert_eq!(first, p.len());
         assert_eq!(crate::prompt::first_two_message_ends(&p), (None, None));
+    }
+
+    #[test]
+    fn a_new_conversation_goes_to_its_group_home_when_it_is_no_busier() {
+        let rule = rule();
+        // Target 0 holds the group's 2,000-token system prompt; the home is 2.
+        let with_home = |home| Ask {
+            group_home: Some(home),
+            ..ask(2100.0, 2000.0, 7)
+        };
+        let c = choices(&[1, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        let without = rule.place(&ask(2100.0, 2000.0, 7), &c).unwrap();
+        assert_eq!((without.index, without.reason), (0, Reason::CacheHit));
+        let p = rule.place(&with_home(2), &c).unwrap();
+        assert_eq!((p.index, p.reason), (2, Reason::GroupHome));
+        // Equal loads still go home; a busier home does not take it.
+        let c = choices(&[1, 0, 1, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        assert_eq!(rule.place(&with_home(2), &c).unwrap().index, 2);
+        let c = choices(&[1, 0, 2, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        assert_eq!(rule.place(&with_home(2), &c).unwrap().index, 0);
+        // A home holding the prefix is a plain cache hit.
+        let c = choices(&[1, 0, 0, 0], &[2000.0, 0.0, 2000.0, 0.0]);
+        let p = rule.place(&with_home(2), &c).unwrap();
+        assert_eq!((p.index, p.reason), (2, Reason::CacheHit));
+        // Off: the rule ignores the home.
+        let off = PlacementRule {
+            group_homes: false,
+            ..rule
+        };
+        let c = choices(&[1, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        assert_eq!(off.place(&with_home(2), &c).unwrap().index, 0);
+    }
+
+    #[test]
+    fn a_conversation_with_history_is_not_sent_to_its_group_home() {
+        let rule = rule();
+        // Target 0 holds 600 tokens of history beyond the system prompt.
+        let c = choices(&[0, 0, 0, 0], &[2600.0, 2000.0, 0.0, 0.0]);
+        let a = Ask {
+            group_home: Some(2),
+            ..ask(2700.0, 2000.0, 7)
+        };
+        let p = rule.place(&a, &c).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+        // The same history held alike by two targets is placed between them, not at home.
+        let c = choices(&[0, 0, 0, 0], &[2600.0, 2600.0, 0.0, 0.0]);
+        assert!(rule.place(&a, &c).unwrap().index < 2);
     }
 
     #[test]
