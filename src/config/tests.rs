@@ -513,13 +513,15 @@ fn placement_keys_are_defaulted_and_bounded() {
     assert_eq!(rule.load_cost_tokens, 200.0);
     assert_eq!((rule.balance_abs, rule.balance_rel), (6, 1.3));
     assert_eq!(rule.load_bound, 1.5);
+    assert!(rule.group_homes);
     let c = parse(
-        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0"),
+        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0\ngroup_homes = false"),
         "p.toml",
     )
     .unwrap();
     assert_eq!(c.routes[0].placement_rule().balance_abs, 0);
     assert_eq!(c.routes[0].placement_rule().load_bound, 0.0);
+    assert!(!c.routes[0].placement_rule().group_homes);
     for (bad, key) in [
         ("load_cost_tokens = -1.0", "load_cost_tokens"),
         ("load_cost_tokens = nan", "load_cost_tokens"),

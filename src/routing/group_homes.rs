@@ -18,7 +18,7 @@
 //! shards; a rebuild (when a group becomes known, the targets change, or once per
 //! [`SWEEP_EVERY_MS`]) runs under a `try_lock`, so no request waits for it.
 
-use super::placement::rendezvous;
+use super::placement::{fnv1a, rendezvous_hashed};
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -145,10 +145,16 @@ impl GroupHomes {
 fn assign(groups: &[u64], labels: &[&str]) -> Homes {
     let mut count = vec![0usize; labels.len()];
     let mut home = HashMap::with_capacity(groups.len());
+    let label_hashes: Vec<u64> = labels.iter().map(|l| fnv1a(l.as_bytes())).collect();
     if !labels.is_empty() {
         for &g in groups {
             let best = (0..labels.len())
-                .max_by_key(|&i| (std::cmp::Reverse(count[i]), rendezvous(g, labels[i])))
+                .max_by_key(|&i| {
+                    (
+                        std::cmp::Reverse(count[i]),
+                        rendezvous_hashed(g, label_hashes[i]),
+                    )
+                })
                 .expect("labels is not empty");
             count[best] += 1;
             home.insert(g, best);
@@ -163,6 +169,7 @@ fn assign(groups: &[u64], labels: &[&str]) -> Homes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::placement::rendezvous;
 
     const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
 

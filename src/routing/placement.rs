@@ -36,6 +36,10 @@
 //! 6. Bounded load (`load_bound`): new work skips targets past `ceil(load_bound × mean)`
 //!    in flight (never below `q_min + 2`) when a target within the bound takes it
 //!    cheaply: it holds the prefix, or is idle (`Choice::room_tokens`).
+//! 7. Group home (`group_homes`): new work whose best target holds nothing beyond the
+//!    prompt's first message goes to `Ask::group_home` (the target every gateway names
+//!    for the prompt's group, see `group_homes`) when the home has no more in flight
+//!    than that target, even if the home must prefill the group's prefix first.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
@@ -340,7 +344,12 @@ impl PlacementRule {
 
 /// Rendezvous (highest-random-weight) weight of `key` on the target `label`.
 pub fn rendezvous(key: u64, label: &str) -> u64 {
-    splitmix64(key ^ fnv1a(label.as_bytes()))
+    rendezvous_hashed(key, fnv1a(label.as_bytes()))
+}
+
+/// `rendezvous(key, label)` given `fnv1a(label)`, for callers weighing many keys.
+pub fn rendezvous_hashed(key: u64, label_hash: u64) -> u64 {
+    splitmix64(key ^ label_hash)
 }
 
 /// FNV-1a, 64-bit: stable across processes and releases, unlike std's `DefaultHasher`,
