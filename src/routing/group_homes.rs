@@ -9,42 +9,41 @@
 //! pressure both replicas then alternate two system prompts. The home here is a function
 //! of the group set and the targets' labels only: groups in key order, each to the target
 //! with the fewest homes so far, ties by rendezvous weight. A group counts once it has
-//! been seen [`KNOWN_AFTER`] times (a one-off prompt is not a group) and is forgotten
+//! been seen twice (a one-off prompt is not a group) and is forgotten
 //! [`FORGET_AFTER_MS`] after its last request.
 //!
 //! Owns the seen-group table and the published assignment. Must not decide placement (the
 //! rule in `placement` weighs the home against cache and load) nor do I/O; time is passed
-//! in. Readers take no lock: the assignment is an `ArcSwap`, the counters are dashmap
-//! shards; a rebuild (when a group becomes known, the targets change, or once per
-//! [`SWEEP_EVERY_MS`]) runs under a `try_lock`, so no request waits for it.
+//! in. No global lock on the request path: the assignment is an `ArcSwap`, the seen groups
+//! are dashmap shards (a known group's entry is read, and written at most once a second),
+//! and a first sighting writes one slot of an array. A rebuild (when a group becomes known,
+//! the targets change, or once per [`SWEEP_EVERY_MS`]) runs under a `try_lock`, so no
+//! request waits for it.
 
-use super::placement::{fnv1a, rendezvous_hashed};
+use super::placement::{fnv1a, rendezvous_hashed, GroupHome};
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-/// Requests of a group before it gets a home.
-pub const KNOWN_AFTER: u32 = 2;
 /// A group not seen for this long loses its home.
 pub const FORGET_AFTER_MS: u64 = 60_000;
-/// Most groups tracked; past it, new groups are not counted until a sweep makes room.
+/// Most groups with a home; past it, new groups get none until a sweep makes room.
 pub const MAX_GROUPS: usize = 4096;
 /// Interval between sweeps of forgotten groups.
 pub const SWEEP_EVERY_MS: u64 = 1_000;
-
-#[derive(Debug)]
-struct Seen {
-    count: AtomicU32,
-    last_ms: AtomicU64,
-}
+/// Slots of the first-sighting filter (direct-mapped: a collision only forgets a sighting).
+const FIRST_SIGHT_SLOTS: usize = 4096;
 
 /// A published assignment: the labels it was computed over, and group -> label index.
 #[derive(Debug, Default)]
 struct Homes {
     labels: Vec<String>,
+    label_hashes: Vec<u64>,
+    /// Homes per label.
+    count: Vec<usize>,
     home: HashMap<u64, usize>,
 }
 
@@ -52,12 +51,27 @@ impl Homes {
     fn computed_over(&self, labels: &[&str]) -> bool {
         self.labels.len() == labels.len() && self.labels.iter().zip(labels).all(|(a, b)| a == b)
     }
+
+    /// The label with the fewest homes, ties by `group`'s rendezvous weight: where the
+    /// group goes when it joins the set last.
+    fn next_home(&self, group: u64) -> Option<usize> {
+        (0..self.labels.len()).max_by_key(|&i| {
+            (
+                std::cmp::Reverse(self.count[i]),
+                rendezvous_hashed(group, self.label_hashes[i]),
+            )
+        })
+    }
 }
 
 /// One route's group homes.
 #[derive(Debug)]
 pub struct GroupHomes {
-    seen: DashMap<u64, Seen>,
+    /// Groups seen at least twice, with the time of their last request (ms, refreshed at
+    /// most once a second).
+    seen: DashMap<u64, AtomicU64>,
+    /// Groups seen once, by slot: a one-off prompt writes here and nowhere else.
+    first_sight: Box<[AtomicU64]>,
     homes: ArcSwap<Homes>,
     /// Time of the last sweep (ms; 0 = never).
     swept_ms: AtomicU64,
@@ -69,6 +83,7 @@ impl Default for GroupHomes {
     fn default() -> Self {
         GroupHomes {
             seen: DashMap::new(),
+            first_sight: (0..FIRST_SIGHT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             homes: ArcSwap::from_pointee(Homes::default()),
             swept_ms: AtomicU64::new(0),
             rebuild: Mutex::new(()),
@@ -78,8 +93,9 @@ impl Default for GroupHomes {
 
 impl GroupHomes {
     /// Count one request of `group` and return its home as an index into `labels` (the
-    /// route's targets, eligible or not, in order), if it has one.
-    pub fn note_and_home(&self, group: u64, labels: &[&str], now_ms: u64) -> Option<usize> {
+    /// route's targets, eligible or not, in order): its assigned home once the group is
+    /// known, before that the target it would get if it joined the set last.
+    pub fn note_and_home(&self, group: u64, labels: &[&str], now_ms: u64) -> Option<GroupHome> {
         let became_known = self.note(group, now_ms);
         let swept = self.swept_ms.load(Relaxed);
         let due = swept == 0 || now_ms >= swept.saturating_add(SWEEP_EVERY_MS);
@@ -97,79 +113,72 @@ impl GroupHomes {
         if !homes.computed_over(labels) {
             return None;
         }
-        homes.home.get(&group).copied()
+        // A group seen for the first time goes where it will most likely live once known,
+        // so its first conversation does not open a home the group then leaves.
+        match homes.home.get(&group) {
+            Some(&h) => Some(GroupHome::Known(h)),
+            None => homes.next_home(group).map(GroupHome::Expected),
+        }
     }
 
-    /// Count `group`; true when this request made it known. A known group's entry is only
-    /// read, and its last-seen time written at most once a second.
+    /// Note a request of `group`; true when it made the group known (its second).
     fn note(&self, group: u64, now_ms: u64) -> bool {
-        if let Some(s) = self.seen.get(&group) {
-            if s.last_ms.load(Relaxed).saturating_add(1_000) <= now_ms {
-                s.last_ms.store(now_ms, Relaxed);
+        if let Some(last) = self.seen.get(&group) {
+            if last.load(Relaxed).saturating_add(1_000) <= now_ms {
+                last.store(now_ms, Relaxed);
             }
-            if s.count.load(Relaxed) >= KNOWN_AFTER {
-                return false;
-            }
-            return s.count.fetch_add(1, Relaxed).saturating_add(1) == KNOWN_AFTER;
-        }
-        if self.seen.len() >= MAX_GROUPS {
             return false;
         }
-        let s = self.seen.entry(group).or_insert(Seen {
-            count: AtomicU32::new(0),
-            last_ms: AtomicU64::new(now_ms),
-        });
-        s.count.fetch_add(1, Relaxed).saturating_add(1) == KNOWN_AFTER
+        let slot = &self.first_sight[(splitmix_index(group)) % FIRST_SIGHT_SLOTS];
+        if slot.swap(group, Relaxed) != group || self.seen.len() >= MAX_GROUPS {
+            return false;
+        }
+        self.seen.insert(group, AtomicU64::new(now_ms));
+        true
     }
 
     fn sweep(&self, now_ms: u64) {
         self.seen
-            .retain(|_, s| s.last_ms.load(Relaxed).saturating_add(FORGET_AFTER_MS) > now_ms);
+            .retain(|_, last| last.load(Relaxed).saturating_add(FORGET_AFTER_MS) > now_ms);
     }
 
     /// The known groups, in key order.
     fn known(&self) -> Vec<u64> {
-        let mut known: Vec<u64> = self
-            .seen
-            .iter()
-            .filter(|s| s.count.load(Relaxed) >= KNOWN_AFTER)
-            .map(|s| *s.key())
-            .collect();
+        let mut known: Vec<u64> = self.seen.iter().map(|s| *s.key()).collect();
         known.sort_unstable();
         known
     }
 }
 
+/// A slot index from a group key (FNV's low bits alone are weak).
+fn splitmix_index(group: u64) -> usize {
+    (rendezvous_hashed(group, 0) >> 32) as usize
+}
+
 /// Homes for `groups` (in key order) over `labels`: each group to the label with the fewest
 /// homes so far, ties by the group's rendezvous weight on the label.
 fn assign(groups: &[u64], labels: &[&str]) -> Homes {
-    let mut count = vec![0usize; labels.len()];
-    let mut home = HashMap::with_capacity(groups.len());
-    let label_hashes: Vec<u64> = labels.iter().map(|l| fnv1a(l.as_bytes())).collect();
-    if !labels.is_empty() {
-        for &g in groups {
-            let best = (0..labels.len())
-                .max_by_key(|&i| {
-                    (
-                        std::cmp::Reverse(count[i]),
-                        rendezvous_hashed(g, label_hashes[i]),
-                    )
-                })
-                .expect("labels is not empty");
-            count[best] += 1;
-            home.insert(g, best);
-        }
-    }
-    Homes {
+    let mut homes = Homes {
         labels: labels.iter().map(|l| l.to_string()).collect(),
-        home,
+        label_hashes: labels.iter().map(|l| fnv1a(l.as_bytes())).collect(),
+        count: vec![0; labels.len()],
+        home: HashMap::with_capacity(groups.len()),
+    };
+    for &g in groups {
+        let Some(best) = homes.next_home(g) else {
+            break;
+        };
+        homes.count[best] += 1;
+        homes.home.insert(g, best);
     }
+    homes
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::routing::placement::rendezvous;
+    use GroupHome::{Expected, Known};
 
     const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
 
@@ -181,10 +190,18 @@ mod tests {
     }
 
     #[test]
-    fn a_group_gets_a_home_on_its_second_request() {
+    fn a_group_is_known_from_its_second_request_and_first_goes_where_it_would_join() {
         let h = GroupHomes::default();
-        assert_eq!(h.note_and_home(7, &LABELS, 10), None);
-        assert!(h.note_and_home(7, &LABELS, 10).is_some());
+        seen_twice(&h, [1, 2, 3], 10);
+        let free = (0..4)
+            .find(|&i| (1..=3).all(|g| h.note_and_home(g, &LABELS, 10) != Some(Known(i))))
+            .unwrap();
+        // Group 4 (a larger key than any known) first goes to the target without a home,
+        // and keeps it once known.
+        assert_eq!(h.note_and_home(4, &LABELS, 10), Some(Expected(free)));
+        assert_eq!(h.known(), vec![1, 2, 3]);
+        assert_eq!(h.note_and_home(4, &LABELS, 10), Some(Known(free)));
+        assert_eq!(h.known(), vec![1, 2, 3, 4]);
     }
 
     #[test]
@@ -195,7 +212,10 @@ mod tests {
             seen_twice(&h, groups.iter().copied(), 10);
             let mut homes: Vec<usize> = groups
                 .iter()
-                .map(|&g| h.note_and_home(g, &LABELS, 10).unwrap())
+                .map(|&g| match h.note_and_home(g, &LABELS, 10) {
+                    Some(Known(i)) => i,
+                    other => panic!("{other:?}"),
+                })
                 .collect();
             homes.sort_unstable();
             assert_eq!(homes, vec![0, 1, 2, 3], "seed {seed}");
@@ -230,7 +250,10 @@ mod tests {
         let much_later = later + FORGET_AFTER_MS / 2 + SWEEP_EVERY_MS;
         assert_eq!(h.note_and_home(1, &LABELS, much_later), Some(home_of_1));
         assert_eq!(h.known(), vec![1]);
-        assert_eq!(h.note_and_home(2, &LABELS, much_later), None);
+        assert!(matches!(
+            h.note_and_home(5, &LABELS, much_later),
+            Some(Expected(_))
+        ));
     }
 
     #[test]
@@ -238,16 +261,20 @@ mod tests {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3], 10);
         let three = &LABELS[..3];
-        let home = h.note_and_home(1, three, 11).unwrap();
+        let Some(Known(home)) = h.note_and_home(1, three, 11) else {
+            panic!("group 1 is known");
+        };
         assert!(home < 3);
     }
 
     #[test]
-    fn the_table_is_bounded() {
+    fn the_table_is_bounded_and_one_off_prompts_stay_out_of_it() {
         let h = GroupHomes::default();
-        for g in 0..(MAX_GROUPS as u64 + 100) {
+        for g in 1..=(3 * MAX_GROUPS as u64) {
             h.note_and_home(g, &LABELS, 10);
         }
+        assert_eq!(h.seen.len(), 0);
+        seen_twice(&h, 1..=(MAX_GROUPS as u64 + 100), 10);
         assert_eq!(h.seen.len(), MAX_GROUPS);
     }
 }

@@ -176,9 +176,18 @@ pub struct Ask {
     /// The target that served this conversation's previous turn, if the caller remembers
     /// one (index into the route's targets).
     pub previous: Option<usize>,
-    /// The home every gateway names for the prompt's group (`group_homes`), if any (index
-    /// into the route's targets).
-    pub group_home: Option<usize>,
+    /// The home every gateway names for the prompt's group (`group_homes`), if any.
+    pub group_home: Option<GroupHome>,
+}
+
+/// A prompt group's home (index into the route's targets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupHome {
+    /// The group is known (seen before): every gateway that knows it names this target.
+    Known(usize),
+    /// The group is new: the target it would get on joining the set. Counts only while no
+    /// target holds the prompt (a group forgotten, e.g. after a reload, stays where it is).
+    Expected(usize),
 }
 
 /// The rule's answer.
@@ -226,6 +235,7 @@ impl PlacementRule {
                     .find(|c| Some(c.index) == ask.previous)
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
+        let mut went_home = false;
         let (mut pick, margin) = match home {
             Some(home) => (home, self.balance_abs.saturating_mul(2)),
             None => {
@@ -246,23 +256,27 @@ impl PlacementRule {
                 // the bound and not overloaded, even if it must first prefill the group's
                 // prefix there: every gateway names the same home, so a group two gateways
                 // placed apart in a burst comes back together.
-                let group_home = ask
-                    .group_home
-                    .filter(|_| self.group_homes)
+                let group_home = match ask.group_home.filter(|_| self.group_homes) {
+                    Some(GroupHome::Known(h)) => Some(h),
+                    Some(GroupHome::Expected(h)) if best_cached == 0.0 => Some(h),
+                    _ => None,
+                };
+                let group_home = group_home
                     .and_then(|h| choices.iter().find(|c| c.index == h))
                     .filter(|h| {
                         h.inflight <= pick.inflight
                             && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
                     });
+                went_home = group_home.is_some();
                 (group_home.unwrap_or(pick), self.balance_abs)
             }
         };
-        let to_group_home = Some(pick.index) == ask.group_home;
+
         let mut reason = if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
             Reason::CacheHit
-        } else if to_group_home {
+        } else if went_home {
             Reason::GroupHome
         } else {
             Reason::Overloaded
@@ -689,7 +703,7 @@ mod tests {
         let rule = rule();
         // Target 0 holds the group's 2,000-token system prompt; the home is 2.
         let with_home = |home| Ask {
-            group_home: Some(home),
+            group_home: Some(GroupHome::Known(home)),
             ..ask(2100.0, 2000.0, 7)
         };
         let c = choices(&[1, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
@@ -721,7 +735,7 @@ mod tests {
         // Target 0 holds 600 tokens of history beyond the system prompt.
         let c = choices(&[0, 0, 0, 0], &[2600.0, 2000.0, 0.0, 0.0]);
         let a = Ask {
-            group_home: Some(2),
+            group_home: Some(GroupHome::Known(2)),
             ..ask(2700.0, 2000.0, 7)
         };
         let p = rule.place(&a, &c).unwrap();
