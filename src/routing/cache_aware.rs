@@ -274,7 +274,10 @@ mod tests {
         ta[0].insert(conversation(0).as_bytes());
         tb[1].insert(conversation(1).as_bytes());
         let (a, b) = (CacheAware::default(), CacheAware::default());
-        let (ca, cb) = (fleet(&ta, &[0; 4], &[true; 4]), fleet(&tb, &[0; 4], &[true; 4]));
+        let (ca, cb) = (
+            fleet(&ta, &[0; 4], &[true; 4]),
+            fleet(&tb, &[0; 4], &[true; 4]),
+        );
         let pick = |s: &CacheAware, c: &[Candidate], n: usize| {
             let p = conversation(n);
             let d = s.select(&input(p.as_bytes()), &FleetView::new(c)).unwrap();
