@@ -39,7 +39,9 @@
 //! 7. Group home (`group_homes`): new work whose best target holds nothing beyond the
 //!    prompt's first message goes to `Ask::group_home` (the target every gateway names
 //!    for the prompt's group, see `group_homes`) when the home has no more in flight
-//!    than that target, even if the home must prefill the group's prefix first.
+//!    than that target, even if the home must prefill the group's prefix first. A new
+//!    group's expected home (`GroupHome::Expected`) counts only while no target holds
+//!    the prompt.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
