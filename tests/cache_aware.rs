@@ -5,15 +5,18 @@ mod common;
 
 use common::*;
 
+/// Turn `turns` of a chat: the system prompt, the earlier questions and answers, the next
+/// question (each turn's prompt extends the previous one's, as a chat client sends it).
 fn conversation(system: &str, conv: usize, turns: usize) -> String {
+    let question = |t: usize| serde_json::json!({"role": "user", "content": format!("conversation {conv} question {t}")});
     let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
     for t in 0..turns {
-        messages.push(serde_json::json!({"role": "user", "content": format!("conversation {conv} question {t}")}));
+        messages.push(question(t));
         messages.push(
             serde_json::json!({"role": "assistant", "content": format!("answer {t} for {conv}")}),
         );
     }
-    messages.push(serde_json::json!({"role": "user", "content": format!("conversation {conv} next question")}));
+    messages.push(question(turns));
     serde_json::json!({"model": "alias", "messages": messages}).to_string()
 }
 
