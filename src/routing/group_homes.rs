@@ -100,7 +100,8 @@ impl GroupHomes {
         let swept = self.swept_ms.load(Relaxed);
         let due = swept == 0 || now_ms >= swept.saturating_add(SWEEP_EVERY_MS);
         let mut homes = self.homes.load();
-        if became_known || due || !homes.computed_over(labels) {
+        let mut current = homes.computed_over(labels);
+        if became_known || due || !current {
             if let Some(_rebuilding) = self.rebuild.try_lock() {
                 if due {
                     self.sweep(now_ms);
@@ -108,9 +109,10 @@ impl GroupHomes {
                 }
                 self.homes.store(Arc::new(assign(&self.known(), labels)));
                 homes = self.homes.load();
+                current = true;
             }
         }
-        if !homes.computed_over(labels) {
+        if !current {
             return None;
         }
         // A group seen for the first time goes where it will most likely live once known,
