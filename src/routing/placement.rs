@@ -49,6 +49,7 @@
 //! suit both.
 
 use super::Reason;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Default of `load_cost_tokens`: prefill tokens one more request in flight is worth.
 /// Chosen by measurement over the loadtest workloads (multi-turn with and without cache
@@ -126,13 +127,13 @@ impl PlacementKeys {
         let (first, second) = crate::prompt::first_two_message_ends(prompt);
         let first = first.unwrap_or(prompt.len());
         let second = second.unwrap_or(prompt.len());
-        let group = fnv1a(&prompt[..first.min(MAX_KEY_BYTES)]);
+        let group = xxh3_64(&prompt[..first.min(MAX_KEY_BYTES)]);
         // The second message hashed on its own, so a first message longer than the key's
         // bytes does not make every conversation of a group look alike.
         let second_message = &prompt[first..second.min(first.saturating_add(MAX_KEY_BYTES))];
         let keys = PlacementKeys {
             group,
-            conversation: splitmix64(group ^ fnv1a(second_message)),
+            conversation: splitmix64(group ^ xxh3_64(second_message)),
         };
         (keys, first)
     }
@@ -141,7 +142,7 @@ impl PlacementKeys {
     pub fn with_session(self, session_id: Option<&str>) -> PlacementKeys {
         match session_id {
             Some(id) => PlacementKeys {
-                conversation: fnv1a(id.as_bytes()) ^ 0x5e55_1011,
+                conversation: xxh3_64(id.as_bytes()) ^ 0x5e55_1011,
                 ..self
             },
             None => self,
@@ -745,6 +746,22 @@ mod tests {
         // The same history held alike by two targets is placed between them, not at home.
         let c = choices(&[0, 0, 0, 0], &[2600.0, 2600.0, 0.0, 0.0]);
         assert!(rule.place(&a, &c).unwrap().index < 2);
+    }
+
+    #[test]
+    fn placement_keys_are_the_same_in_every_version() {
+        // Gateways of two versions behind one balancer must key a prompt alike (XXH3-64 of
+        // the first message's first 4 KiB; of the second message, mixed with it): a change
+        // of the key function fails here. Values from the reference implementation (Python
+        // `xxhash.xxh3_64_intdigest`, then SplitMix64 of the XOR).
+        let (keys, first) = PlacementKeys::from_prompt(b"Csystem\x1fbe brief\x1euser\x1fhi\x1e");
+        assert_eq!(first, 17);
+        assert_eq!(keys.group, 0x6899_9927_f000_b668, "{:#x}", keys.group);
+        assert_eq!(
+            keys.conversation, 0xaa11_8857_4ded_21e4,
+            "{:#x}",
+            keys.conversation
+        );
     }
 
     #[test]
