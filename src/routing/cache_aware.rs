@@ -433,15 +433,19 @@ mod tests {
     fn below_threshold_ignores_a_trivial_partial_match() {
         let t = tries(3);
         t[0].insert(format!("You are assistant 0. {}", "x".repeat(500)).as_bytes());
-        let prompt = format!("You are assistant 1. {}", "y".repeat(500));
         let c = fleet(&t, &[0, 0, 0], &[true; 3]);
-        for _ in 0..50 {
+        // The 17 shared bytes are no reason to go to 0: cold prompts spread as if it were
+        // as cold as the others.
+        let mut seen = [0usize; 3];
+        for i in 1..=300 {
+            let prompt = format!("You are assistant {i}. {}", "y".repeat(500));
             let d = CacheAware::default()
                 .select(&input(prompt.as_bytes()), &FleetView::new(&c))
                 .unwrap();
             assert_eq!(d.reason, Reason::BelowThreshold);
-            assert_ne!(d.target, 0, "the warm target took a cold conversation");
+            seen[d.target] += 1;
         }
+        assert!(seen.iter().all(|&n| (60..=140).contains(&n)), "{seen:?}");
     }
 
     #[test]
