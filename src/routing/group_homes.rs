@@ -52,6 +52,16 @@ impl Homes {
         self.labels.len() == labels.len() && self.labels.iter().zip(labels).all(|(a, b)| a == b)
     }
 
+    /// Where a group seen for the first time goes, so its first conversation does not open
+    /// a home the group then leaves: the target it would get on joining the set last, but
+    /// only when that is also its rendezvous choice over all targets. Otherwise every
+    /// one-off prompt would name the one target with the fewest homes and pile onto it.
+    fn expected_home(&self, group: u64) -> Option<usize> {
+        let top = (0..self.labels.len())
+            .max_by_key(|&i| rendezvous_hashed(group, self.label_hashes[i]))?;
+        self.next_home(group).filter(|&h| h == top)
+    }
+
     /// The label with the fewest homes, ties by `group`'s rendezvous weight: where the
     /// group goes when it joins the set last.
     fn next_home(&self, group: u64) -> Option<usize> {
@@ -115,11 +125,9 @@ impl GroupHomes {
         if !current {
             return None;
         }
-        // A group seen for the first time goes where it will most likely live once known,
-        // so its first conversation does not open a home the group then leaves.
         match homes.home.get(&group) {
             Some(&h) => Some(GroupHome::Known(h)),
-            None => homes.next_home(group).map(GroupHome::Expected),
+            None => homes.expected_home(group).map(GroupHome::Expected),
         }
     }
 
@@ -198,12 +206,20 @@ mod tests {
         let free = (0..4)
             .find(|&i| (1..=3).all(|g| h.note_and_home(g, &LABELS, 10) != Some(Known(i))))
             .unwrap();
-        // Group 4 (a larger key than any known) first goes to the target without a home,
-        // and keeps it once known.
-        assert_eq!(h.note_and_home(4, &LABELS, 10), Some(Expected(free)));
+        let top = |g: u64| (0..4).max_by_key(|&i| rendezvous(g, LABELS[i])).unwrap();
+        // A new group (a larger key than any known) whose rendezvous choice is the target
+        // without a home first goes there, and keeps it once known.
+        let g = (4..).find(|&g| top(g) == free).unwrap();
+        assert_eq!(h.note_and_home(g, &LABELS, 10), Some(Expected(free)));
         assert_eq!(h.known(), vec![1, 2, 3]);
-        assert_eq!(h.note_and_home(4, &LABELS, 10), Some(Known(free)));
-        assert_eq!(h.known(), vec![1, 2, 3, 4]);
+        assert_eq!(h.note_and_home(g, &LABELS, 10), Some(Known(free)));
+        // New groups whose rendezvous choice has a home name none: one-off prompts must
+        // not all pile onto the one target without a home.
+        let h = GroupHomes::default();
+        seen_twice(&h, [1, 2, 3], 10);
+        for g in (1000..1100).filter(|&g| top(g) != free) {
+            assert_eq!(h.note_and_home(g, &LABELS, 10), None, "group {g}");
+        }
     }
 
     #[test]

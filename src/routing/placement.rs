@@ -188,8 +188,9 @@ pub struct Ask {
 pub enum GroupHome {
     /// The group is known (seen before): every gateway that knows it names this target.
     Known(usize),
-    /// The group is new: the target it would get on joining the set. Counts only while no
-    /// target holds the prompt (a group forgotten, e.g. after a reload, stays where it is).
+    /// The group is new: the target it would get on joining the set (named only when that
+    /// is also its rendezvous choice). Counts only while no target holds the prompt (a
+    /// group forgotten, e.g. after a reload, stays where it is).
     Expected(usize),
 }
 
