@@ -36,6 +36,8 @@ pub const MAX_GROUPS: usize = 4096;
 pub const SWEEP_EVERY_MS: u64 = 1_000;
 /// Slots of the first-sighting filter (direct-mapped: a collision only forgets a sighting).
 const FIRST_SIGHT_SLOTS: usize = 4096;
+/// A known group's last-seen time is rewritten at most this often.
+const SEEN_REFRESH_MS: u64 = 1_000;
 
 /// A published assignment: the labels it was computed over, and group -> label index.
 #[derive(Debug, Default)]
@@ -134,12 +136,13 @@ impl GroupHomes {
     /// Note a request of `group`; true when it made the group known (its second).
     fn note(&self, group: u64, now_ms: u64) -> bool {
         if let Some(last) = self.seen.get(&group) {
-            if last.load(Relaxed).saturating_add(1_000) <= now_ms {
+            if last.load(Relaxed).saturating_add(SEEN_REFRESH_MS) <= now_ms {
                 last.store(now_ms, Relaxed);
             }
             return false;
         }
-        let slot = &self.first_sight[(splitmix_index(group)) % FIRST_SIGHT_SLOTS];
+        // Group keys are XXH3 hashes (`PlacementKeys`): their low bits pick the slot.
+        let slot = &self.first_sight[group as usize % FIRST_SIGHT_SLOTS];
         if slot.swap(group, Relaxed) != group || self.seen.len() >= MAX_GROUPS {
             return false;
         }
@@ -158,11 +161,6 @@ impl GroupHomes {
         known.sort_unstable();
         known
     }
-}
-
-/// A slot index from a group key (FNV's low bits alone are weak).
-fn splitmix_index(group: u64) -> usize {
-    (rendezvous_hashed(group, 0) >> 32) as usize
 }
 
 /// Homes for `groups` (in key order) over `labels`: each group to the label with the fewest

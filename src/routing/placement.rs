@@ -92,8 +92,8 @@ pub struct PlacementRule {
     /// within this multiple of the fleet's mean (with it), or it is the least loaded.
     /// 0 = no bound.
     pub load_bound: f64,
-    /// Send a new conversation to its group's home (`Ask::group_home`) while the home is
-    /// within the bound and not overloaded.
+    /// Send a new conversation to its group's home (`Ask::group_home`) when the home has
+    /// no more in flight than the target the cost rule picked.
     pub group_homes: bool,
 }
 
@@ -239,9 +239,8 @@ impl PlacementRule {
                     .find(|c| Some(c.index) == ask.previous)
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
-        let mut went_home = false;
-        let (mut pick, margin) = match home {
-            Some(home) => (home, self.balance_abs.saturating_mul(2)),
+        let (mut pick, margin, went_home) = match home {
+            Some(home) => (home, self.balance_abs.saturating_mul(2), false),
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
                 // that take it cheaply (they hold its prefix, or their cache stays at most
@@ -256,10 +255,10 @@ impl PlacementRule {
                 } else {
                     self.cheapest(ask, choices.iter(), &cost, &counted)?
                 };
-                // A new conversation goes to its group's home while the home is within
-                // the bound and not overloaded, even if it must first prefill the group's
-                // prefix there: every gateway names the same home, so a group two gateways
-                // placed apart in a burst comes back together.
+                // A new conversation goes to its group's home when the home is no busier
+                // than the pick, even if it must first prefill the group's prefix there:
+                // every gateway names the same home, so a group two gateways placed apart
+                // in a burst comes back together.
                 let group_home = match ask.group_home.filter(|_| self.group_homes) {
                     Some(GroupHome::Known(h)) => Some(h),
                     Some(GroupHome::Expected(h)) if best_cached == 0.0 => Some(h),
@@ -271,11 +270,12 @@ impl PlacementRule {
                         h.inflight <= pick.inflight
                             && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
                     });
-                went_home = group_home.is_some();
-                (group_home.unwrap_or(pick), self.balance_abs)
+                match group_home {
+                    Some(h) => (h, self.balance_abs, true),
+                    None => (pick, self.balance_abs, false),
+                }
             }
         };
-
         let mut reason = if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
