@@ -511,7 +511,7 @@ fn placement_keys_are_defaulted_and_bounded() {
     let rule = c.routes[0].placement_rule();
     assert_eq!(rule, crate::routing::placement::PlacementRule::default());
     assert_eq!(rule.load_cost_tokens, 200.0);
-    assert_eq!((rule.balance_abs, rule.balance_rel), (6, 1.3));
+    assert_eq!((rule.balance_abs, rule.balance_rel), (5, 1.3));
     assert_eq!(rule.load_bound, 1.5);
     assert!(rule.group_homes);
     let c = parse(

@@ -358,14 +358,14 @@ mod tests {
         assert_eq!((d2.target, d2.reason), (d.target, Reason::Affinity));
 
         // A truly overloaded pinned target (more than 2 × balance_abs beyond the least
-        // loaded) loses the session too; 12 beyond is not yet.
-        let p12 = fleet(&t, &[0, 0, 12], &[1, 1, 1], &[true; 3]);
+        // loaded) loses the session too; 10 beyond is not yet.
+        let p10 = fleet(&t, &[0, 0, 10], &[1, 1, 1], &[true; 3]);
         p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
-            .select(&input(b"x", Some("s3"), 1), &FleetView::new(&p12))
+            .select(&input(b"x", Some("s3"), 1), &FleetView::new(&p10))
             .unwrap();
         assert_eq!((d.target, d.reason), (2, Reason::Affinity));
-        let busy = fleet(&t, &[0, 0, 13], &[1, 1, 1], &[true; 3]);
+        let busy = fleet(&t, &[0, 0, 11], &[1, 1, 1], &[true; 3]);
         p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
             .select(&input(b"x", Some("s3"), 1), &FleetView::new(&busy))

@@ -58,7 +58,7 @@ pub const DEFAULT_LOAD_COST_TOKENS: f64 = 200.0;
 /// Default of `balance_abs`: requests in flight beyond the least-loaded target before a
 /// new conversation's best target counts as truly overloaded (twice that for a
 /// conversation's own target).
-pub const DEFAULT_BALANCE_ABS: u64 = 6;
+pub const DEFAULT_BALANCE_ABS: u64 = 5;
 /// Default of `balance_rel`: and more than this multiple of the least-loaded target's load.
 pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 /// Default of `load_bound`: new work goes only to targets that, with it, stay within this

@@ -359,9 +359,9 @@ mod tests {
             loads[d.target] += 1;
             homes.push(d.target);
         }
-        // The first 7 share a home (a new conversation moves past 6 beyond the least
-        // loaded); then the group opens a second one.
-        assert!(homes[..7].iter().all(|&h| h == homes[0]), "{homes:?}");
-        assert_ne!(homes[7], homes[0], "{homes:?}");
+        // The first 6 share a home (a new conversation moves past `balance_abs`, 5,
+        // beyond the least loaded); then the group opens a second one.
+        assert!(homes[..6].iter().all(|&h| h == homes[0]), "{homes:?}");
+        assert_ne!(homes[6], homes[0], "{homes:?}");
     }
 }
