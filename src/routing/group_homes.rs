@@ -7,10 +7,14 @@
 //! see different halves of the load, so in a burst they can place one group on two
 //! replicas and never converge (each one's trie shows only its own home); under cache
 //! pressure both replicas then alternate two system prompts. The home here is a function
-//! of the group set and the targets' labels only: groups in key order, each to the target
-//! with the fewest homes so far, ties by rendezvous weight. A group counts once it has
-//! been seen twice (a one-off prompt is not a group) and is forgotten
-//! [`FORGET_AFTER_MS`] after its last request.
+//! of the group set and the targets' labels only: rendezvous hashing with bounded loads
+//! (groups in key order, each to its highest-weight target that has fewer than
+//! `ceil(groups / targets)` homes so far). The bound keeps homes even (as many groups as
+//! targets get one target each); the rendezvous preference keeps them stable: a group
+//! joining or leaving moves few others' homes, as a moved home costs the fleet a prefill
+//! of that group's prefix on its new home. A group counts once it has been seen twice (a
+//! one-off prompt is not a group) and is forgotten [`FORGET_AFTER_MS`] after its last
+//! request.
 //!
 //! Owns the seen-group table and the published assignment. Must not decide placement (the
 //! rule in `placement` weighs the home against cache and load) nor do I/O; time is passed
@@ -46,6 +50,8 @@ struct Homes {
     label_hashes: Vec<u64>,
     /// Homes per label.
     count: Vec<usize>,
+    /// Groups with a home.
+    groups: usize,
     home: HashMap<u64, usize>,
 }
 
@@ -57,22 +63,23 @@ impl Homes {
     /// Where a group seen for the first time goes, so its first conversation does not open
     /// a home the group then leaves: the target it would get on joining the set last, but
     /// only when that is also its rendezvous choice over all targets. Otherwise every
-    /// one-off prompt would name the one target with the fewest homes and pile onto it.
+    /// one-off prompt would name the few targets with room for a home and pile onto them.
     fn expected_home(&self, group: u64) -> Option<usize> {
         let top = (0..self.labels.len())
             .max_by_key(|&i| rendezvous_hashed(group, self.label_hashes[i]))?;
         self.next_home(group).filter(|&h| h == top)
     }
 
-    /// The label with the fewest homes, ties by `group`'s rendezvous weight: where the
-    /// group goes when it joins the set last.
+    /// Where `group` goes when it joins the set last: its highest-weight label with fewer
+    /// than `cap` homes.
     fn next_home(&self, group: u64) -> Option<usize> {
-        (0..self.labels.len()).max_by_key(|&i| {
-            (
-                std::cmp::Reverse(self.count[i]),
-                rendezvous_hashed(group, self.label_hashes[i]),
-            )
-        })
+        self.next_home_within(group, home_cap(self.groups + 1, self.labels.len()))
+    }
+
+    fn next_home_within(&self, group: u64, cap: usize) -> Option<usize> {
+        (0..self.labels.len())
+            .filter(|&i| self.count[i] < cap)
+            .max_by_key(|&i| rendezvous_hashed(group, self.label_hashes[i]))
     }
 }
 
@@ -163,20 +170,28 @@ impl GroupHomes {
     }
 }
 
-/// Homes for `groups` (in key order) over `labels`: each group to the label with the fewest
-/// homes so far, ties by the group's rendezvous weight on the label.
+/// Most homes one label takes when `groups` groups share `labels` labels.
+fn home_cap(groups: usize, labels: usize) -> usize {
+    groups.div_ceil(labels.max(1))
+}
+
+/// Homes for `groups` (in key order) over `labels`: each group to its highest-weight label
+/// with fewer than `home_cap` homes so far.
 fn assign(groups: &[u64], labels: &[&str]) -> Homes {
     let mut homes = Homes {
         labels: labels.iter().map(|l| l.to_string()).collect(),
         label_hashes: labels.iter().map(|l| fnv1a(l.as_bytes())).collect(),
         count: vec![0; labels.len()],
+        groups: 0,
         home: HashMap::with_capacity(groups.len()),
     };
+    let cap = home_cap(groups.len(), labels.len());
     for &g in groups {
-        let Some(best) = homes.next_home(g) else {
+        let Some(best) = homes.next_home_within(g, cap) else {
             break;
         };
         homes.count[best] += 1;
+        homes.groups += 1;
         homes.home.insert(g, best);
     }
     homes
@@ -253,6 +268,33 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A moved home costs the fleet a prefill of that group's prefix on its new home, so a
+    /// group joining must leave the others' homes where they are, nearly all of them.
+    #[test]
+    fn a_group_joining_moves_few_other_homes() {
+        let (mut moved, mut total) = (0usize, 0usize);
+        for seed in 0..50u64 {
+            let groups: Vec<u64> = (0..64)
+                .map(|i| rendezvous(seed, &format!("g{i}")))
+                .collect();
+            let mut with_one_more = groups.clone();
+            with_one_more.push(rendezvous(seed, "new"));
+            with_one_more.sort_unstable();
+            let mut sorted = groups.clone();
+            sorted.sort_unstable();
+            let (before, after) = (assign(&sorted, &LABELS), assign(&with_one_more, &LABELS));
+            assert!(before.count.iter().all(|&c| c == 16), "seed {seed}");
+            moved += groups
+                .iter()
+                .filter(|g| before.home[g] != after.home[g])
+                .count();
+            total += groups.len();
+        }
+        // Bounded-load rendezvous moves ~4% here; homes dealt round-robin in key order
+        // (each group to the target with the fewest so far) moved ~23%.
+        assert!(moved * 10 < total, "{moved} of {total} homes moved");
     }
 
     #[test]
