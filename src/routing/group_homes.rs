@@ -21,8 +21,8 @@
 //! in. No global lock on the request path: the assignment is an `ArcSwap`, the seen groups
 //! are dashmap shards (a known group's entry is read, and written at most once a second),
 //! and a first sighting writes one slot of an array. A rebuild (when a group becomes known,
-//! the targets change, or once per [`SWEEP_EVERY_MS`]) runs under a `try_lock`, so no
-//! request waits for it.
+//! the targets change, or the sweep every [`SWEEP_EVERY_MS`] forgets a group) runs under a
+//! `try_lock`, so no request waits for it.
 
 use super::placement::{fnv1a, rendezvous_hashed, GroupHome};
 use arc_swap::ArcSwap;
@@ -122,12 +122,16 @@ impl GroupHomes {
         let mut current = homes.computed_over(labels);
         if became_known || due || !current {
             if let Some(_rebuilding) = self.rebuild.try_lock() {
+                let mut forgot = false;
                 if due {
-                    self.sweep(now_ms);
+                    forgot = self.sweep(now_ms);
                     self.swept_ms.store(now_ms.max(1), Relaxed);
                 }
-                self.homes.store(Arc::new(assign(&self.known(), labels)));
-                homes = self.homes.load();
+                // A sweep that forgot nothing leaves the assignment as it is.
+                if became_known || forgot || !current || self.groups_changed(&homes) {
+                    self.homes.store(Arc::new(assign(&self.known(), labels)));
+                    homes = self.homes.load();
+                }
                 current = true;
             }
         }
@@ -157,9 +161,18 @@ impl GroupHomes {
         true
     }
 
-    fn sweep(&self, now_ms: u64) {
+    /// Forget groups silent for [`FORGET_AFTER_MS`]; true if any was.
+    fn sweep(&self, now_ms: u64) -> bool {
+        let before = self.seen.len();
         self.seen
             .retain(|_, last| last.load(Relaxed).saturating_add(FORGET_AFTER_MS) > now_ms);
+        self.seen.len() != before
+    }
+
+    /// Whether the known groups differ in number from those `homes` was computed for: a
+    /// group that became known while another request held the rebuild lock.
+    fn groups_changed(&self, homes: &Homes) -> bool {
+        self.seen.len() != homes.groups
     }
 
     /// The known groups, in key order.
@@ -312,6 +325,22 @@ mod tests {
             h.note_and_home(5, &LABELS, much_later),
             Some(Expected(_))
         ));
+    }
+
+    #[test]
+    fn a_sweep_that_forgets_nothing_keeps_the_assignment() {
+        let h = GroupHomes::default();
+        seen_twice(&h, [1, 2, 3], 10);
+        let before = h.homes.load_full();
+        h.note_and_home(1, &LABELS, 10 + 2 * SWEEP_EVERY_MS);
+        assert!(
+            Arc::ptr_eq(&before, &h.homes.load_full()),
+            "rebuilt for nothing"
+        );
+        // A group forgotten by a sweep is a change.
+        h.note_and_home(1, &LABELS, 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS);
+        assert!(!Arc::ptr_eq(&before, &h.homes.load_full()));
+        assert_eq!(h.homes.load().groups, 1);
     }
 
     #[test]
