@@ -4,6 +4,9 @@
 //!
 //! `cache_aware_decision_long/<KiB>`: the same over 16 warm targets for 32 KiB and 256 KiB
 //! prompts (chat histories and agent prompts; issue 26's target is 256 KiB <= 20 µs).
+//! `cache_aware_decision_long/read_floor/<KiB>`, its reference in the same run: one XXH3-64
+//! pass over the same prompts, cycled alike (they are out of the core's caches by the time
+//! each comes round again), what any decision that reads the whole prompt once pays.
 //!
 //! `decision_concurrent/<targets>`: the same select + record over 2 and 16 targets from 1 thread and from
 //! 2 threads sharing the route (one strategy, one set of tries), each thread serving its own
@@ -130,6 +133,12 @@ fn long_prompts(c: &mut Criterion) {
             b.iter(|| {
                 n = (n + 1) % prompts.len();
                 black_box(decide(&strategy, &view, &prompts[n]))
+            })
+        });
+        group.bench_with_input(BenchmarkId::new("read_floor", kib), &kib, |b, _| {
+            b.iter(|| {
+                n = (n + 1) % prompts.len();
+                black_box(xxhash_rust::xxh3::xxh3_64(&prompts[n]))
             })
         });
     }

@@ -446,9 +446,11 @@ pub struct RouteConfig {
     #[serde(default = "default_load_cost_tokens")]
     pub load_cost_tokens: f64,
     /// Requests in flight beyond the least-loaded target before a best target counts as
-    /// truly overloaded (twice that for a conversation's own target).
-    #[serde(default = "default_balance_abs")]
-    pub balance_abs: u64,
+    /// truly overloaded (twice that for a conversation's own target). Unset: the
+    /// strategy's default (`routing::placement::DEFAULT_BALANCE_ABS`, pipeline's
+    /// `routing::pipeline::DEFAULT_PIPELINE_BALANCE_ABS`).
+    #[serde(default)]
+    pub balance_abs: Option<u64>,
     /// ... and more than this multiple of the least-loaded target's load.
     #[serde(default = "default_balance_rel")]
     pub balance_rel: f64,
@@ -528,10 +530,6 @@ fn default_cache_threshold() -> f64 {
 
 fn default_load_cost_tokens() -> f64 {
     crate::routing::placement::DEFAULT_LOAD_COST_TOKENS
-}
-
-fn default_balance_abs() -> u64 {
-    crate::routing::placement::DEFAULT_BALANCE_ABS
 }
 
 fn default_balance_rel() -> f64 {
@@ -674,10 +672,22 @@ impl RouteConfig {
         crate::routing::placement::PlacementRule {
             threshold: self.cache_threshold,
             load_cost_tokens: self.load_cost_tokens,
-            balance_abs: self.balance_abs,
+            balance_abs: self
+                .balance_abs
+                .unwrap_or(crate::routing::placement::DEFAULT_BALANCE_ABS),
             balance_rel: self.balance_rel,
             load_bound: self.load_bound,
             group_homes: self.group_homes,
+        }
+    }
+
+    /// The placement rule as the pipeline strategy uses it: its own `balance_abs` default.
+    pub fn pipeline_rule(&self) -> crate::routing::placement::PlacementRule {
+        crate::routing::placement::PlacementRule {
+            balance_abs: self
+                .balance_abs
+                .unwrap_or(crate::routing::pipeline::DEFAULT_PIPELINE_BALANCE_ABS),
+            ..self.placement_rule()
         }
     }
 }

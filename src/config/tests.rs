@@ -514,6 +514,11 @@ fn placement_keys_are_defaulted_and_bounded() {
     assert_eq!((rule.balance_abs, rule.balance_rel), (5, 1.3));
     assert_eq!(rule.load_bound, 1.5);
     assert!(rule.group_homes);
+    // Pipeline has its own `balance_abs` default; a set value applies to every strategy.
+    assert_eq!(c.routes[0].pipeline_rule().balance_abs, 6);
+    let set = parse(&with("balance_abs = 4"), "p.toml").unwrap();
+    assert_eq!(set.routes[0].placement_rule().balance_abs, 4);
+    assert_eq!(set.routes[0].pipeline_rule().balance_abs, 4);
     let c = parse(
         &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0\ngroup_homes = false"),
         "p.toml",

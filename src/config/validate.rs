@@ -110,7 +110,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "routes[{i}].load_cost_tokens: must be between 0 and {MAX_LOAD_COST_TOKENS}"
             ));
         }
-        if r.balance_abs > MAX_BALANCE_ABS {
+        if r.balance_abs.is_some_and(|v| v > MAX_BALANCE_ABS) {
             out.push(format!(
                 "routes[{i}].balance_abs: must be at most {MAX_BALANCE_ABS}"
             ));

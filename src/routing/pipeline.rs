@@ -59,6 +59,11 @@ impl Default for PipelineWeights {
     }
 }
 
+/// Default of `balance_abs` for the pipeline strategy: it keeps the value the placement
+/// rule had before that moved to 5, which measured better for pipeline under cache
+/// pressure (`docs/routing.md`, "The placement rule").
+pub const DEFAULT_PIPELINE_BALANCE_ABS: u64 = 6;
+
 /// The pipeline strategy.
 #[derive(Debug)]
 pub struct Pipeline {
@@ -243,7 +248,10 @@ mod tests {
         Pipeline::new(
             PipelineWeights::default(),
             Arc::new(SessionTable::new(10, 1000)),
-            PlacementRule::default(),
+            PlacementRule {
+                balance_abs: DEFAULT_PIPELINE_BALANCE_ABS,
+                ..Default::default()
+            },
             4.0,
         )
     }
@@ -358,14 +366,14 @@ mod tests {
         assert_eq!((d2.target, d2.reason), (d.target, Reason::Affinity));
 
         // A truly overloaded pinned target (more than 2 × balance_abs beyond the least
-        // loaded) loses the session too; 10 beyond is not yet.
-        let p10 = fleet(&t, &[0, 0, 10], &[1, 1, 1], &[true; 3]);
+        // loaded) loses the session too; 12 beyond is not yet.
+        let p12 = fleet(&t, &[0, 0, 12], &[1, 1, 1], &[true; 3]);
         p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
-            .select(&input(b"x", Some("s3"), 1), &FleetView::new(&p10))
+            .select(&input(b"x", Some("s3"), 1), &FleetView::new(&p12))
             .unwrap();
         assert_eq!((d.target, d.reason), (2, Reason::Affinity));
-        let busy = fleet(&t, &[0, 0, 11], &[1, 1, 1], &[true; 3]);
+        let busy = fleet(&t, &[0, 0, 13], &[1, 1, 1], &[true; 3]);
         p.record(&input(b"x", Some("s3"), 0), &view, &chose(2));
         let d = p
             .select(&input(b"x", Some("s3"), 1), &FleetView::new(&busy))

@@ -627,7 +627,7 @@ fn strategy_for(route: &RouteConfig, sessions: Arc<SessionTable>) -> Box<dyn Str
             Box::new(routing::Pipeline::new(
                 weights,
                 sessions,
-                route.placement_rule(),
+                route.pipeline_rule(),
                 route.prompt_bytes_per_token,
             ))
         }
