@@ -50,8 +50,9 @@ struct Homes {
     label_hashes: Vec<u64>,
     /// Homes per label.
     count: Vec<usize>,
-    /// Groups with a home.
+    /// Groups with a home, and the XOR of their keys: the set this was computed for.
     groups: usize,
+    groups_xor: u64,
     home: HashMap<u64, usize>,
 }
 
@@ -89,6 +90,9 @@ pub struct GroupHomes {
     /// Groups seen at least twice, with the time of their last request (ms, refreshed at
     /// most once a second).
     seen: DashMap<u64, AtomicU64>,
+    /// XOR of the keys in `seen`, kept with it: with its size, tells whether the set
+    /// differs from the one the published assignment was computed for.
+    seen_xor: AtomicU64,
     /// Groups seen once, by slot: a one-off prompt writes here and nowhere else.
     first_sight: Box<[AtomicU64]>,
     homes: ArcSwap<Homes>,
@@ -102,6 +106,7 @@ impl Default for GroupHomes {
     fn default() -> Self {
         GroupHomes {
             seen: DashMap::new(),
+            seen_xor: AtomicU64::new(0),
             first_sight: (0..FIRST_SIGHT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             homes: ArcSwap::from_pointee(Homes::default()),
             swept_ms: AtomicU64::new(0),
@@ -122,13 +127,12 @@ impl GroupHomes {
         let mut current = homes.computed_over(labels);
         if became_known || due || !current {
             if let Some(_rebuilding) = self.rebuild.try_lock() {
-                let mut forgot = false;
                 if due {
-                    forgot = self.sweep(now_ms);
+                    self.sweep(now_ms);
                     self.swept_ms.store(now_ms.max(1), Relaxed);
                 }
-                // A sweep that forgot nothing leaves the assignment as it is.
-                if became_known || forgot || !current || self.groups_changed(&homes) {
+                // The same groups over the same targets keep the assignment as it is.
+                if !current || self.groups_changed(&homes) {
                     self.homes.store(Arc::new(assign(&self.known(), labels)));
                     homes = self.homes.load();
                 }
@@ -157,22 +161,28 @@ impl GroupHomes {
         if slot.swap(group, Relaxed) != group || self.seen.len() >= MAX_GROUPS {
             return false;
         }
-        self.seen.insert(group, AtomicU64::new(now_ms));
+        if self.seen.insert(group, AtomicU64::new(now_ms)).is_none() {
+            self.seen_xor.fetch_xor(group, Relaxed);
+        }
         true
     }
 
-    /// Forget groups silent for [`FORGET_AFTER_MS`]; true if any was.
-    fn sweep(&self, now_ms: u64) -> bool {
-        let before = self.seen.len();
-        self.seen
-            .retain(|_, last| last.load(Relaxed).saturating_add(FORGET_AFTER_MS) > now_ms);
-        self.seen.len() != before
+    /// Forget groups silent for [`FORGET_AFTER_MS`].
+    fn sweep(&self, now_ms: u64) {
+        self.seen.retain(|&group, last| {
+            let keep = last.load(Relaxed).saturating_add(FORGET_AFTER_MS) > now_ms;
+            if !keep {
+                self.seen_xor.fetch_xor(group, Relaxed);
+            }
+            keep
+        });
     }
 
-    /// Whether the known groups differ in number from those `homes` was computed for: a
-    /// group that became known while another request held the rebuild lock.
+    /// Whether the known groups differ from those `homes` was computed for (a group became
+    /// known or was forgotten since, including one that became known while another request
+    /// held the rebuild lock).
     fn groups_changed(&self, homes: &Homes) -> bool {
-        self.seen.len() != homes.groups
+        (self.seen.len(), self.seen_xor.load(Relaxed)) != (homes.groups, homes.groups_xor)
     }
 
     /// The known groups, in key order.
@@ -196,6 +206,7 @@ fn assign(groups: &[u64], labels: &[&str]) -> Homes {
         label_hashes: labels.iter().map(|l| fnv1a(l.as_bytes())).collect(),
         count: vec![0; labels.len()],
         groups: 0,
+        groups_xor: 0,
         home: HashMap::with_capacity(groups.len()),
     };
     let cap = home_cap(groups.len(), labels.len());
@@ -205,6 +216,7 @@ fn assign(groups: &[u64], labels: &[&str]) -> Homes {
         };
         homes.count[best] += 1;
         homes.groups += 1;
+        homes.groups_xor ^= g;
         homes.home.insert(g, best);
     }
     homes
@@ -341,6 +353,27 @@ mod tests {
         h.note_and_home(1, &LABELS, 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS);
         assert!(!Arc::ptr_eq(&before, &h.homes.load_full()));
         assert_eq!(h.homes.load().groups, 1);
+    }
+
+    /// A group that becomes known while another request holds the rebuild lock gets its
+    /// home at the next sweep, even when that sweep forgets another group and the count of
+    /// known groups is what it was.
+    #[test]
+    fn a_group_known_while_the_rebuild_was_busy_gets_a_home_at_the_next_sweep() {
+        let h = GroupHomes::default();
+        seen_twice(&h, [1, 2], 10);
+        let half = 10 + FORGET_AFTER_MS / 2;
+        h.note_and_home(1, &LABELS, half);
+        {
+            let _busy = h.rebuild.lock();
+            seen_twice(&h, [3], half);
+        }
+        assert!(!matches!(h.note_and_home(3, &LABELS, half), Some(Known(_))));
+        // This sweep forgets 2: {1, 3} has as many groups as the published {1, 2}.
+        let later = 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS;
+        h.note_and_home(1, &LABELS, later);
+        assert_eq!(h.known(), vec![1, 3]);
+        assert!(matches!(h.note_and_home(3, &LABELS, later), Some(Known(_))));
     }
 
     #[test]
