@@ -440,8 +440,9 @@ mod tests {
             let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
             assert_eq!((p.index, p.reason), (0, Reason::CacheHit), "extra {extra}");
         }
-        // 7 beyond the least loaded is past the guard (6): a new conversation moves.
-        let c = choices(&[7, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        // 6 beyond the least loaded is past the guard (`balance_abs` 5): a new
+        // conversation moves.
+        let c = choices(&[6, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
         let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
         assert_ne!(p.index, 0);
         assert_eq!(p.reason, Reason::Overloaded);
@@ -462,17 +463,17 @@ mod tests {
     fn a_conversation_keeps_its_target_longer_than_a_new_one() {
         let rule = rule();
         // Target 0 holds the system prompt (1,000) plus 4,000 tokens of this
-        // conversation's history; 8 beyond the least loaded is within 2 × 6.
-        let c = choices(&[8, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        // conversation's history; 10 beyond the least loaded is within 2 × 5.
+        let c = choices(&[10, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
         let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
         // The same load for a new conversation (it holds only the first message): moves,
         // to the least-loaded target holding the system prompt.
-        let c = choices(&[8, 0, 0, 0], &[1000.0, 1000.0, 0.0, 0.0]);
+        let c = choices(&[10, 0, 0, 0], &[1000.0, 1000.0, 0.0, 0.0]);
         let p = rule.place(&ask(1050.0, 1000.0, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
         // Past twice the margin the conversation moves too.
-        let c = choices(&[13, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        let c = choices(&[11, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
         let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
     }
