@@ -62,24 +62,19 @@ impl Homes {
     }
 
     /// Where a group seen for the first time goes, so its first conversation does not open
-    /// a home the group then leaves: the target it would get on joining the set last, but
-    /// only when that is also its rendezvous choice over all targets. Otherwise every
-    /// one-off prompt would name the few targets with room for a home and pile onto them.
-    /// Exact unless joining raises the per-target cap (the known groups are a multiple of
-    /// the targets): then earlier groups may take the room it was named for.
+    /// a home the group then leaves: its rendezvous choice over all targets, when that has
+    /// room for one more home (so the group would get it on joining the set last).
+    /// Otherwise none: naming the next label with room would send every one-off prompt to
+    /// the few targets with room for a home. Exact unless joining raises the per-target cap
+    /// (the known groups are a multiple of the targets): then earlier groups may take the
+    /// room it was named for.
     fn expected_home(&self, group: u64) -> Option<usize> {
-        let top = (0..self.labels.len())
-            .max_by_key(|&i| rendezvous_hashed(group, self.label_hashes[i]))?;
-        self.next_home(group).filter(|&h| h == top)
+        let top = self.best_home(group, usize::MAX)?;
+        (self.count[top] < home_cap(self.groups + 1, self.labels.len())).then_some(top)
     }
 
-    /// Where `group` goes when it joins the set last: its highest-weight label with fewer
-    /// than `cap` homes.
-    fn next_home(&self, group: u64) -> Option<usize> {
-        self.next_home_within(group, home_cap(self.groups + 1, self.labels.len()))
-    }
-
-    fn next_home_within(&self, group: u64, cap: usize) -> Option<usize> {
+    /// `group`'s highest-weight label with fewer than `cap` homes.
+    fn best_home(&self, group: u64, cap: usize) -> Option<usize> {
         (0..self.labels.len())
             .filter(|&i| self.count[i] < cap)
             .max_by_key(|&i| rendezvous_hashed(group, self.label_hashes[i]))
@@ -216,7 +211,7 @@ fn assign(groups: &[u64], labels: &[&str]) -> Homes {
     };
     let cap = home_cap(groups.len(), labels.len());
     for &g in groups {
-        let Some(best) = homes.next_home_within(g, cap) else {
+        let Some(best) = homes.best_home(g, cap) else {
             break;
         };
         homes.count[best] += 1;

@@ -59,9 +59,9 @@ impl Default for PipelineWeights {
     }
 }
 
-/// Default of `balance_abs` for the pipeline strategy: it keeps the value the placement
-/// rule had before that moved to 5, which measured better for pipeline under cache
-/// pressure (`docs/routing.md`, "The placement rule").
+/// Default of `balance_abs` for the pipeline strategy: the placement rule's own default
+/// (5) costs pipeline hit rate under cache pressure (`docs/routing.md`, "The placement
+/// rule").
 pub const DEFAULT_PIPELINE_BALANCE_ABS: u64 = 6;
 
 /// The pipeline strategy.
