@@ -1,6 +1,7 @@
-//! Criterion bench of one full cache_aware routing decision (issue 4): `select` over
-//! 4 / 16 / 64 warm targets for an 8 KiB prompt, then `record` (insert into the winner's
-//! trie) — what the request path does per request, minus I/O.
+//! Criterion bench of one full cache_aware routing decision (issue 4): the prompt's key
+//! (`prefix::key`), `select` over 4 / 16 / 64 warm targets for an 8 KiB prompt, then
+//! `record` (insert into the winner's trie) — what the request path does per request,
+//! minus I/O.
 //!
 //! `cache_aware_decision_long/<KiB>`: the same over 16 warm targets for 32 KiB and 256 KiB
 //! prompts (chat histories and agent prompts; issue 26's target is 256 KiB <= 20 µs).
@@ -20,7 +21,7 @@
 //! Run: `cargo bench --bench decision` (`-- decision_concurrent` for the 2-thread part only).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use rolter::prefix::PrefixTrie;
+use rolter::prefix::{prompt_key, PrefixTrie};
 use rolter::routing::{CacheAware, Candidate, Decision, FleetView, RouteInput, Strategy};
 use std::hint::black_box;
 use std::time::Duration;
@@ -72,10 +73,13 @@ fn candidates<'a>(
         .collect()
 }
 
-/// What the request path does per request, minus I/O: select, then record the winner.
+/// What the request path does per request, minus I/O: the prompt's key, select, then
+/// record the winner.
 fn decide(strategy: &CacheAware, view: &FleetView, prompt: &[u8]) -> Decision {
+    let key = prompt_key(prompt);
     let input = RouteInput {
         prompt,
+        prompt_key: &key,
         ..Default::default()
     };
     let d = strategy.select(&input, view).expect("a target");
@@ -95,7 +99,7 @@ fn decision(c: &mut Criterion) {
         let strategy = CacheAware::default();
         // Warm every trie with the conversations the way routing would spread them.
         for (i, p) in prompts.iter().enumerate() {
-            tries[i % targets].insert(p);
+            tries[i % targets].insert(&prompt_key(p));
         }
         let candidates = candidates(&tries, &labels, |i| (i % 3) as u64);
         let view = FleetView::new(&candidates);
@@ -123,7 +127,7 @@ fn long_prompts(c: &mut Criterion) {
         let labels: Vec<String> = (0..TARGETS).map(|i| format!("t{i}")).collect();
         let strategy = CacheAware::default();
         for (i, p) in prompts.iter().enumerate() {
-            tries[i % TARGETS].insert(p);
+            tries[i % TARGETS].insert(&prompt_key(p));
         }
         let candidates = candidates(&tries, &labels, |i| (i % 3) as u64);
         let view = FleetView::new(&candidates);

@@ -230,8 +230,9 @@ pub struct ProviderConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// The replica's KV-cache capacity in tokens (vLLM: `num_gpu_blocks` × block size, logged
     /// at start-up as "GPU KV cache size: N tokens"). When set, the prefix trie of each
-    /// target on this provider is capped to about what the replica can hold, so the trie
-    /// forgets prompts the replica has likely evicted (see `routing::cache_aware`).
+    /// target on this provider holds at most about what the replica can hold (its byte cap,
+    /// `routing::cache_aware::trie_bytes_for_kv_cache`), so the trie forgets prompts the
+    /// replica has likely evicted.
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything
@@ -462,11 +463,11 @@ pub struct RouteConfig {
     /// (cache_aware; see `routing::group_homes`).
     #[serde(default = "default_group_homes")]
     pub group_homes: bool,
-    /// Node ceiling of each target's prefix trie.
+    /// Node ceiling of each target's prefix trie (its memory bound).
     #[serde(default = "default_trie_max_nodes")]
     pub trie_max_nodes: usize,
     /// Average prompt bytes per token of this route's traffic: turns a provider's
-    /// `kv_cache_tokens` into a trie size, and prompt bytes into the tokens the placement
+    /// `kv_cache_tokens` into a trie cap, and prompt bytes into the tokens the placement
     /// rule weighs (cache_aware, pipeline).
     #[serde(default = "default_prompt_bytes_per_token")]
     pub prompt_bytes_per_token: f64,

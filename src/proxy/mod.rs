@@ -243,6 +243,11 @@ impl Gateway {
         } else {
             Vec::new()
         };
+        let prompt_key = if strategy.uses_prompt_key() {
+            crate::prefix::prompt_key(&prompt)
+        } else {
+            Vec::new()
+        };
         let model = if parsed.model_is_json {
             ModelRewrite::Json(parsed.model_span.clone())
         } else {
@@ -280,6 +285,7 @@ impl Gateway {
         let request = Prepared {
             input: RouteInput {
                 prompt: &prompt,
+                prompt_key: &prompt_key,
                 token_ids: token_ids.as_deref(),
                 session_id: session_id.as_deref(),
                 now_ms: ms_at(at),

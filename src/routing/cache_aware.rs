@@ -1,10 +1,11 @@
 //! `cache_aware`: send a request to the target whose prefix trie holds most of its prompt,
 //! unless the queue there costs more than recomputing the prompt elsewhere (SPEC §4).
 //!
-//! Each target's trie holds the prompts routed to it (inserted when the decision is
-//! made, so a burst of requests sharing a new prefix sees where the first one went, as
-//! the replica does once it starts prefilling). Scores are turned into cached tokens
-//! (`prompt bytes / prompt_bytes_per_token`) and handed to the shared placement rule
+//! Each target's trie holds the keys (`prefix::key`: a hash per 64-byte chunk) of the
+//! prompts routed to it (inserted when the decision is made, so a burst of requests sharing
+//! a new prefix sees where the first one went, as the replica does once it starts
+//! prefilling). A match counts the prompt's whole chunks a trie holds; scores are turned
+//! into cached tokens (`prompt bytes / prompt_bytes_per_token`) and handed to the shared placement rule
 //! ([`super::placement`]): cost = uncached tokens + `load_cost_tokens` × extra queue,
 //! deterministic ties, and an overload guard that keeps a conversation on its target
 //! longer than it keeps a new one. Only eligible targets are compared (a broken
@@ -14,7 +15,9 @@
 use super::group_homes::GroupHomes;
 use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
 use super::{Candidate, Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
-use crate::prefix::MatchHint;
+use crate::prefix::key::{self, CHUNK_BYTES, HASH_BYTES};
+use crate::prefix::{MatchHint, PrefixTrie};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Default minimum prefix score to pin a request to its best-matching target (SPEC §4).
@@ -23,24 +26,40 @@ pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
 /// Default prompt bytes per token: English text averages about 4 characters per BPE token
 /// (OpenAI's rule of thumb); the chat encoding adds a few bytes per message.
 pub const DEFAULT_PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
-/// Distinct prompt bytes a trie node holds on average when filled with chat prompts.
-pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = crate::prefix::trie::PROMPT_BYTES_PER_NODE;
+/// Distinct prompt bytes a trie node of prompt keys holds on average when filled with chat
+/// prompts (`prefix::key::PROMPT_BYTES_PER_NODE`).
+pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = key::PROMPT_BYTES_PER_NODE;
 
-/// Node cap of a target's prefix trie so that it holds about as many distinct prompt bytes
-/// as its replica's KV cache holds tokens (`kv_cache_tokens` × `bytes_per_token`), never above
-/// `route_cap`. The trie's LRU then forgets what the replica's LRU has likely evicted, instead
-/// of scoring on prompts long gone from the replica; without a capacity, `route_cap`.
-pub fn trie_nodes_for_kv_cache(
-    kv_cache_tokens: Option<u64>,
-    bytes_per_token: f64,
-    route_cap: usize,
-) -> usize {
+/// Byte cap of a target's prefix trie so that the prompt chunks it holds match what its
+/// replica's KV cache holds (`kv_cache_tokens` × `bytes_per_token` of prompt, in key bytes).
+/// The trie's LRU then forgets what the replica's LRU has likely evicted, instead of
+/// scoring on prompts long gone from the replica; without a capacity, no byte cap (the
+/// node cap, `trie_max_nodes`, still bounds memory).
+pub fn trie_bytes_for_kv_cache(kv_cache_tokens: Option<u64>, bytes_per_token: f64) -> usize {
     match kv_cache_tokens {
         Some(tokens) => {
-            let nodes = (tokens as f64 * bytes_per_token / TRIE_PROMPT_BYTES_PER_NODE).ceil();
-            (nodes as usize).clamp(2, route_cap.max(2))
+            let chunks = (tokens as f64 * bytes_per_token / CHUNK_BYTES as f64).ceil();
+            (chunks as usize).saturating_mul(HASH_BYTES).max(HASH_BYTES)
         }
-        None => route_cap,
+        None => usize::MAX,
+    }
+}
+
+/// Prompt bytes `trie` can take before it is half full, by whichever cap is nearer.
+pub fn room_bytes(trie: &PrefixTrie) -> f64 {
+    let nodes = (trie.max_nodes() / 2).saturating_sub(trie.node_count()) as f64
+        * TRIE_PROMPT_BYTES_PER_NODE;
+    let bytes = (trie.max_bytes() / 2).saturating_sub(trie.byte_count()) as f64
+        * (CHUNK_BYTES / HASH_BYTES) as f64;
+    nodes.min(bytes)
+}
+
+/// `input`'s prompt key: the one the gateway computed, or computed here if it did not.
+pub fn prompt_key_of<'b>(input: &RouteInput<'b>) -> Cow<'b, [u8]> {
+    if input.prompt_key.is_empty() && input.prompt.len() >= CHUNK_BYTES {
+        Cow::Owned(key::prompt_key(input.prompt))
+    } else {
+        Cow::Borrowed(input.prompt_key)
     }
 }
 
@@ -102,30 +121,38 @@ pub fn remember_target(
     }
 }
 
-/// Each eligible target's prefix score for `prompt`, as (index, score).
+/// Each eligible target's prefix score for a prompt of `prompt_len` bytes whose key is
+/// `key`, as (index, score).
 pub fn prefix_scores<'a>(
-    prompt: &'a [u8],
+    prompt_len: usize,
+    key: &'a [u8],
     fleet: &'a FleetView<'a>,
 ) -> impl Iterator<Item = (usize, f64)> + 'a {
-    prefix_scores_hinted(prompt, fleet).map(|(i, score, _)| (i, score))
+    prefix_scores_hinted(prompt_len, key, fleet).map(|(i, score, _)| (i, score))
 }
 
 /// `prefix_scores` with each target's trie walk result, for `PrefixTrie::insert_hinted`.
 pub fn prefix_scores_hinted<'a>(
-    prompt: &'a [u8],
+    prompt_len: usize,
+    key: &'a [u8],
     fleet: &'a FleetView<'a>,
 ) -> impl Iterator<Item = (usize, f64, Option<MatchHint>)> + 'a {
     fleet.eligible().map(move |i| {
         let (matched, hint) = fleet.candidates[i]
             .prefix
-            .map_or((0, None), |t| t.match_hinted(prompt));
-        (i, matched as f64 / prompt.len().max(1) as f64, hint)
+            .map_or((0, None), |t| t.match_hinted(key));
+        let matched = key::matched_prompt_bytes(matched);
+        (i, matched as f64 / prompt_len.max(1) as f64, hint)
     })
 }
 
 impl Strategy for CacheAware {
     fn name(&self) -> &'static str {
         "cache_aware"
+    }
+
+    fn uses_prompt_key(&self) -> bool {
+        true
     }
 
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
@@ -139,8 +166,9 @@ impl Strategy for CacheAware {
             });
         }
         let len = input.prompt.len() as f64;
+        let key = prompt_key_of(input);
         let mut hints = Vec::with_capacity(fleet.candidates.len());
-        let choices: Vec<Choice> = prefix_scores_hinted(input.prompt, fleet)
+        let choices: Vec<Choice> = prefix_scores_hinted(input.prompt.len(), &key, fleet)
             .map(|(i, score, hint)| {
                 hints.push((i, hint));
                 let c = &fleet.candidates[i];
@@ -148,11 +176,7 @@ impl Strategy for CacheAware {
                     index: i,
                     inflight: c.inflight,
                     cached_tokens: score * len / self.bytes_per_token,
-                    room_tokens: c.prefix.map_or(0.0, |t| {
-                        (t.max_nodes() / 2).saturating_sub(t.node_count()) as f64
-                            * TRIE_PROMPT_BYTES_PER_NODE
-                            / self.bytes_per_token
-                    }),
+                    room_tokens: c.prefix.map_or(0.0, room_bytes) / self.bytes_per_token,
                     label: c.label,
                 }
             })
@@ -186,7 +210,7 @@ impl Strategy for CacheAware {
             return;
         };
         if let Some(trie) = target.prefix {
-            trie.insert_hinted(input.prompt, decision.hint);
+            trie.insert_hinted(&prompt_key_of(input), decision.hint);
         }
         remember_target(self.conversations.as_deref(), input, target, decision);
     }
@@ -221,6 +245,11 @@ mod tests {
             prompt: p,
             ..Default::default()
         }
+    }
+
+    /// Store `p` in `t` as the strategy does: by its key.
+    fn store(t: &PrefixTrie, p: &[u8]) {
+        t.insert(&crate::prefix::prompt_key(p));
     }
 
     fn tries(n: usize) -> Vec<PrefixTrie> {
@@ -271,8 +300,8 @@ mod tests {
         let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(80));
         let conversation = |n: usize| format!("{system}\x1euser\x1fquestion {n}\x1e");
         let (ta, tb) = (tries(4), tries(4));
-        ta[0].insert(conversation(0).as_bytes());
-        tb[1].insert(conversation(1).as_bytes());
+        store(&ta[0], conversation(0).as_bytes());
+        store(&tb[1], conversation(1).as_bytes());
         let (a, b) = (CacheAware::default(), CacheAware::default());
         let (ca, cb) = (
             fleet(&ta, &[0; 4], &[true; 4]),
@@ -300,7 +329,7 @@ mod tests {
     fn an_unhealthy_idle_target_does_not_make_others_look_overloaded() {
         let t = tries(3);
         let system = "S".repeat(4000);
-        t[0].insert(system.as_bytes());
+        store(&t[0], system.as_bytes());
         // Target 2 is broken with zero load; among eligible targets the minimum is 7.
         let c = fleet(&t, &[9, 7, 0], &[true, true, false]);
         let d = CacheAware::default()
@@ -313,10 +342,16 @@ mod tests {
     fn a_conversation_moves_to_the_least_loaded_holder_of_its_system_prompt() {
         let t = tries(3);
         let system = "S".repeat(4000);
-        let conversation = format!("{system}\x1euser 1: hello\x1eassistant: hi\x1e");
-        t[0].insert(conversation.as_bytes());
-        t[1].insert(format!("{system}\x1euser 2: other question\x1e").as_bytes());
-        t[2].insert(b"unrelated");
+        let conversation = format!(
+            "{system}\x1euser 1: hello\x1eassistant: hi {}\x1e",
+            "h".repeat(80)
+        );
+        store(&t[0], conversation.as_bytes());
+        store(
+            &t[1],
+            format!("{system}\x1euser 2: other question\x1e").as_bytes(),
+        );
+        store(&t[2], b"unrelated");
         let prompt = format!("{conversation}user 1: again\x1e");
         // 0 holds the conversation but 8 more in flight cost more than its short history.
         let c = fleet(&t, &[9, 1, 1], &[true; 3]);
@@ -344,8 +379,9 @@ mod tests {
     #[test]
     fn equally_warm_targets_are_chosen_the_same_way_by_every_gateway() {
         let (a, b) = (tries(2), tries(2));
+        let prefix = "same prefix here. ".repeat(8);
         for t in a.iter().chain(&b) {
-            t.insert(b"same prefix here");
+            store(t, prefix.as_bytes());
         }
         let (ca, cb) = (
             fleet(&a, &[0, 0], &[true; 2]),
@@ -353,7 +389,7 @@ mod tests {
         );
         let mut seen = [0; 2];
         for i in 0..200 {
-            let p = format!("same prefix here\x1e{i}\x1e");
+            let p = format!("{prefix}\x1e{i}\x1e");
             let da = CacheAware::default().select(&input(p.as_bytes()), &FleetView::new(&ca));
             let db = CacheAware::default().select(&input(p.as_bytes()), &FleetView::new(&cb));
             assert_eq!(da.unwrap().target, db.unwrap().target);
@@ -377,8 +413,8 @@ mod tests {
         for (loads, busy) in [([3, 0], 0), ([0, 3], 1)] {
             // Both targets hold only the system prompt; turn 1 went to the busy one.
             let t = tries(2);
-            t[0].insert(system.as_bytes());
-            t[1].insert(system.as_bytes());
+            store(&t[0], system.as_bytes());
+            store(&t[1], system.as_bytes());
             let c = fleet(&t, &[0, 0], &[true; 2]);
             let d = Decision {
                 target: busy,
@@ -389,8 +425,8 @@ mod tests {
             };
             remembering.record(&input(turn1.as_bytes()), &FleetView::new(&c), &d);
             let t = tries(2);
-            t[0].insert(system.as_bytes());
-            t[1].insert(system.as_bytes());
+            store(&t[0], system.as_bytes());
+            store(&t[1], system.as_bytes());
             let c = fleet(&t, &loads, &[true; 2]);
             let view = FleetView::new(&c);
             let d = remembering.select(&input(turn2.as_bytes()), &view).unwrap();
@@ -403,11 +439,12 @@ mod tests {
     #[test]
     fn cache_hit_pins_to_the_warm_target() {
         let t = tries(3);
-        t[1].insert(b"system: long shared prompt. user: hi");
+        let system = "system: long shared prompt. ".repeat(10);
+        store(&t[1], format!("{system}user: hi").as_bytes());
         let c = fleet(&t, &[1, 1, 1], &[true; 3]);
         let d = CacheAware::default()
             .select(
-                &input(b"system: long shared prompt. user: hello"),
+                &input(format!("{system}user: hello").as_bytes()),
                 &FleetView::new(&c),
             )
             .unwrap();
@@ -432,7 +469,10 @@ mod tests {
     #[test]
     fn below_threshold_ignores_a_trivial_partial_match() {
         let t = tries(3);
-        t[0].insert(format!("You are assistant 0. {}", "x".repeat(500)).as_bytes());
+        store(
+            &t[0],
+            format!("You are assistant 0. {}", "x".repeat(500)).as_bytes(),
+        );
         let c = fleet(&t, &[0, 0, 0], &[true; 3]);
         // The 17 shared bytes are no reason to go to 0: cold prompts spread as if it were
         // as cold as the others.
@@ -452,10 +492,10 @@ mod tests {
     fn a_trivially_shared_start_is_no_better_than_cold() {
         let t = tries(3);
         let system = "S".repeat(200);
-        t[0].insert(format!("{system}|user 1").as_bytes());
-        t[1].insert(&[b'S'; 60]);
-        t[2].insert(b"z");
-        // 1 shares 60 of ~210 bytes (below threshold, 15 tokens): it ties with the cold 2,
+        store(&t[0], format!("{system}|user 1").as_bytes());
+        store(&t[1], &[b'S'; 64]);
+        store(&t[2], &[b'z'; 64]);
+        // 1 shares 64 of ~210 bytes (below threshold, 16 tokens): it ties with the cold 2,
         // and the tie goes by the prompt's key, the same way every time.
         let c = fleet(&t, &[5, 1, 1], &[true; 3]);
         let prompt = format!("{system}|user 1 again");
@@ -468,49 +508,56 @@ mod tests {
             let d = CacheAware::default()
                 .select(&input(prompt.as_bytes()), &FleetView::new(&c))
                 .unwrap();
-            assert_eq!(d, first);
+            assert_eq!(
+                (d.target, d.reason, d.score),
+                (first.target, first.reason, first.score)
+            );
         }
     }
 
     #[test]
     fn trie_cap_follows_the_replica_kv_cache() {
-        // No capacity known: the route's cap.
-        assert_eq!(trie_nodes_for_kv_cache(None, 4.0, 1_000_000), 1_000_000);
-        // 8,192 tokens × 6 B ≈ 49 KB of prompt ≈ 840 nodes of ~58.5 B.
-        let n = trie_nodes_for_kv_cache(Some(8192), 6.0, 1_000_000);
-        assert!((830..=850).contains(&n), "{n}");
-        // Twice the cache, twice the nodes; never above the route's cap, never below 2.
-        let n2 = trie_nodes_for_kv_cache(Some(16384), 6.0, 1_000_000);
-        assert!(n2.abs_diff(2 * n) <= 1, "{n} {n2}");
-        assert_eq!(trie_nodes_for_kv_cache(Some(1 << 40), 4.0, 5000), 5000);
-        assert_eq!(trie_nodes_for_kv_cache(Some(0), 4.0, 5000), 2);
+        // No capacity known: no byte cap.
+        assert_eq!(trie_bytes_for_kv_cache(None, 4.0), usize::MAX);
+        // 8,192 tokens × 6 B = 48 KiB of prompt = 768 chunks of 64 B = 3072 key bytes.
+        assert_eq!(trie_bytes_for_kv_cache(Some(8192), 6.0), 768 * HASH_BYTES);
+        // Twice the cache, twice the bytes; never below one chunk.
+        assert_eq!(trie_bytes_for_kv_cache(Some(16384), 6.0), 1536 * HASH_BYTES);
+        assert_eq!(trie_bytes_for_kv_cache(Some(0), 4.0), HASH_BYTES);
     }
 
     /// A trie sized to its replica's cache forgets the oldest conversations as the replica
-    /// would, so a prompt seen long ago no longer pins a request there.
+    /// would, so a prompt seen long ago no longer pins a request there, and reports the room
+    /// left by its byte cap.
     #[test]
     fn a_trie_sized_to_the_cache_forgets_old_prompts() {
-        let cap = trie_nodes_for_kv_cache(Some(512), 4.0, 1_000_000);
-        let t = PrefixTrie::new(cap);
-        let old = format!("old {}", "o".repeat(1000));
-        t.insert(old.as_bytes());
-        assert_eq!(t.match_len(old.as_bytes()), old.len());
+        // 512 tokens × 4 B: 2 KiB of prompt.
+        let t = PrefixTrie::new(1_000_000);
+        t.set_max_bytes(trie_bytes_for_kv_cache(Some(512), 4.0));
+        assert_eq!(room_bytes(&t), 1024.0);
+        let old = key::prompt_key(format!("old {}", "o".repeat(1000)).as_bytes());
+        t.insert(&old);
+        assert_eq!(t.match_len(&old), old.len());
+        assert_eq!(room_bytes(&t), 1024.0 - 960.0);
+        t.insert(&key::prompt_key(
+            format!("new {}", "n".repeat(1000)).as_bytes(),
+        ));
+        assert_eq!(t.match_len(&old), old.len(), "2 KiB hold both");
+        assert_eq!(room_bytes(&t), 0.0);
+        t.insert(&key::prompt_key(
+            format!("newer {}", "m".repeat(1000)).as_bytes(),
+        ));
+        assert_eq!(t.match_len(&old), 0, "the third KiB evicted the oldest");
+        assert!(t.byte_count() <= t.max_bytes());
+        // A trie without a byte cap still holds it.
+        let big = PrefixTrie::new(1_000_000);
+        big.insert(&old);
         for i in 0..8 {
-            t.insert(format!("new {i} {}", "n".repeat(1000)).as_bytes());
+            big.insert(&key::prompt_key(
+                format!("new {i} {}", "n".repeat(1000)).as_bytes(),
+            ));
         }
-        assert_eq!(
-            t.match_len(old.as_bytes()),
-            0,
-            "8 KB of newer prompts evicted it"
-        );
-        assert!(t.node_count() <= cap);
-        // An unsized trie still holds it.
-        let big = PrefixTrie::new(trie_nodes_for_kv_cache(None, 4.0, 1_000_000));
-        big.insert(old.as_bytes());
-        for i in 0..8 {
-            big.insert(format!("new {i} {}", "n".repeat(1000)).as_bytes());
-        }
-        assert_eq!(big.match_len(old.as_bytes()), old.len());
+        assert_eq!(big.match_len(&old), old.len());
     }
 
     /// A burst of new conversations sharing one system prompt spreads across the fleet
@@ -525,7 +572,7 @@ mod tests {
         let mut home = Vec::new();
         // 16 conversations arrive at once (none finishes): turn 1.
         for conv in 0..16 {
-            let prompt = format!("{system}|user {conv}: first question");
+            let prompt = format!("{system}|user {conv}: first question {}", "q".repeat(64));
             let c = fleet(&t, &load, &[true; 4]);
             let view = FleetView::new(&c);
             let d = cs.select(&input(prompt.as_bytes()), &view).unwrap();
@@ -541,8 +588,10 @@ mod tests {
         // Everyone finishes; later turns extend each conversation and go home.
         let load = [0u64; 4];
         for (conv, &h) in home.iter().enumerate() {
-            let prompt =
-                format!("{system}|user {conv}: first question|assistant: answer|user: follow-up");
+            let prompt = format!(
+                "{system}|user {conv}: first question {}|assistant: answer|user: follow-up",
+                "q".repeat(64)
+            );
             let c = fleet(&t, &load, &[true; 4]);
             let d = cs
                 .select(&input(prompt.as_bytes()), &FleetView::new(&c))

@@ -31,6 +31,10 @@ use crate::prefix::PrefixTrie;
 pub struct RouteInput<'a> {
     /// Prompt bytes (see `prompt`).
     pub prompt: &'a [u8],
+    /// The prompt's key (`prefix::key`), what the prefix tries store, computed once per
+    /// request for strategies that say they use it. Empty when not computed: a strategy that
+    /// needs it then computes its own (`cache_aware::prompt_key_of`).
+    pub prompt_key: &'a [u8],
     /// Token ids from `x-rolter-vllm-token-ids`, if present and well-formed.
     pub token_ids: Option<&'a [u32]>,
     /// `x-session-id`, if present.
@@ -189,6 +193,12 @@ pub trait Strategy: Send + Sync {
         true
     }
 
+    /// Whether `select`/`record` read `RouteInput::prompt_key` (else the gateway does not
+    /// compute it, a pass over the prompt).
+    fn uses_prompt_key(&self) -> bool {
+        false
+    }
+
     /// Whether `select`/`record` read `RouteInput::token_ids` (else the gateway does not
     /// parse the header).
     fn uses_token_ids(&self) -> bool {
@@ -263,7 +273,7 @@ mod tests {
         ];
         for (name, make) in strategies {
             let tries: Vec<PrefixTrie> = (0..3).map(|_| PrefixTrie::new(10_000)).collect();
-            tries[0].insert(&prompt);
+            tries[0].insert(&crate::prefix::prompt_key(&prompt));
             let candidates: Vec<Candidate> = tries
                 .iter()
                 .zip([2u64, 1, 3])

@@ -29,7 +29,7 @@
 //! When the request is routed, the prompt goes into the winner's trie and the session is
 //! pinned to the winner.
 
-use super::cache_aware::prefix_scores;
+use super::cache_aware::{prefix_scores, prompt_key_of};
 use super::placement::{rendezvous, PlacementKeys, PlacementRule, CONTINUATION_MIN_TOKENS};
 use super::session::SessionTable;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
@@ -132,7 +132,8 @@ impl Strategy for Pipeline {
         let w = self.weights;
         let lambda = self.guard.load_cost_tokens;
         // (index, counted prefix fraction)
-        let prefixes: Vec<(usize, f64)> = prefix_scores(input.prompt, fleet)
+        let key = prompt_key_of(input);
+        let prefixes: Vec<(usize, f64)> = prefix_scores(input.prompt.len(), &key, fleet)
             .map(|(i, prefix)| (i, self.guard.counted(prefix * tokens, tokens) / tokens))
             .collect();
         // The weight key draws from the conversation once some target holds the prompt, and
@@ -198,14 +199,18 @@ impl Strategy for Pipeline {
         true
     }
 
+    fn uses_prompt_key(&self) -> bool {
+        true
+    }
+
     fn record(&self, input: &RouteInput, fleet: &FleetView, decision: &Decision) {
         let target = decision.target;
         let Some(c) = fleet.candidates.get(target) else {
             return;
         };
         // A pass-through request (embeddings, ...) keeps its session with no prompt.
-        if let (Some(trie), false) = (c.prefix, input.prompt.is_empty()) {
-            trie.insert(input.prompt);
+        if let Some(trie) = c.prefix {
+            trie.insert(&prompt_key_of(input));
         }
         if let Some(session) = input.session_id {
             self.sessions.put(session, c.label, input.now_ms);
@@ -238,6 +243,11 @@ mod tests {
                 lmcache: None,
             })
             .collect()
+    }
+
+    /// Store `p` in `t` as the strategy does: by its key.
+    fn store(t: &PrefixTrie, p: &[u8]) {
+        t.insert(&crate::prefix::prompt_key(p));
     }
 
     fn tries(n: usize) -> Vec<PrefixTrie> {
@@ -308,15 +318,12 @@ mod tests {
     #[test]
     fn prefix_term_prefers_the_warm_target() {
         let t = tries(2);
-        t[1].insert(b"a long shared system prompt, then the question");
+        let system = "a long shared system prompt. ".repeat(8);
+        store(&t[1], format!("{system}then the question").as_bytes());
         let c = fleet(&t, &[0, 0], &[1, 1], &[true, true]);
         let d = pipeline()
             .select(
-                &input(
-                    b"a long shared system prompt, then another question",
-                    None,
-                    0,
-                ),
+                &input(format!("{system}then another question").as_bytes(), None, 0),
                 &FleetView::new(&c),
             )
             .unwrap();
@@ -414,7 +421,7 @@ mod tests {
         let system = format!("Csystem\x1f{}\x1e", "S".repeat(400));
         let t = tries(4);
         for trie in &t {
-            trie.insert(system.as_bytes());
+            store(trie, system.as_bytes());
         }
         let c = fleet(&t, &[0, 0, 0, 0], &[1, 1, 1, 1], &[true; 4]);
         let (p1, p2) = (pipeline(), pipeline());

@@ -279,12 +279,12 @@ impl RouteTable {
                         model: t.model.clone(),
                     };
                     let state = registry.get_or_create(&key);
+                    state.trie.set_max_nodes(r.trie_max_nodes);
                     state
                         .trie
-                        .set_max_nodes(routing::cache_aware::trie_nodes_for_kv_cache(
+                        .set_max_bytes(routing::cache_aware::trie_bytes_for_kv_cache(
                             kv_cache_tokens,
                             r.prompt_bytes_per_token,
-                            r.trie_max_nodes,
                         ));
                     let up = &provider.upstream;
                     targets.push(RouteTarget {

@@ -81,15 +81,17 @@ impl PrefixTrie {
     /// so their cache misses overlap other threads' work instead of lengthening the critical
     /// section. Follows racy hints and only reads atomics: it can slow nothing but
     /// itself and never affects correctness.
-    pub(super) fn warm(&self, new_slots: usize) {
+    pub(super) fn warm(&self, new_slots: usize, new_bytes: usize) {
         let dir = self.dir();
-        if self.writer.stats.nodes.load(Relaxed) + new_slots <= self.max_nodes() {
+        let st = &self.writer.stats;
+        if st.nodes.load(Relaxed) + new_slots <= self.max_nodes()
+            && st.bytes.load(Relaxed).saturating_add(new_bytes) <= self.max_bytes()
+        {
             return;
         }
         // Visit about as many nodes as the insert will need freed, plus slack for prompts
         // whose eviction frees nothing (their path is shared with a newer prompt).
         let mut budget = 2 * new_slots + WARM_SLACK;
-        let st = &self.writer.stats;
         let Some(l) = victim_list(
             st.nonempty.load(Relaxed),
             &std::array::from_fn(|l| st.head_stamp[l].load(Relaxed)),
@@ -184,8 +186,8 @@ impl Ctx<'_> {
 
     // ---- eviction ----------------------------------------------------------------------------
 
-    pub(super) fn evict_to(&mut self, cap: usize) {
-        while self.w.nodes > cap && self.w.nonempty != 0 {
+    pub(super) fn evict_to(&mut self, cap: usize, byte_cap: usize) {
+        while (self.w.nodes > cap || self.w.bytes > byte_cap) && self.w.nonempty != 0 {
             self.evict_oldest();
         }
     }

@@ -36,13 +36,16 @@
 //!
 //! # Eviction
 //! Every stored prompt is an LRU entry on its end node; inserting it again moves it to the
-//! back. An insert links its prompt first, then, while `node_count > max_nodes`, drops the
-//! oldest prompt: its end mark is cleared, the run of nodes only it used (up to the first
+//! back. An insert links its prompt first, then, while `node_count > max_nodes` or
+//! `byte_count > max_bytes`, drops the oldest prompt: its end mark is cleared, the run of nodes only it used (up to the first
 //! ancestor that is the root, another prompt's end, or a branch point) is unlinked and freed,
 //! and a branch point left with one child is merged into it. Nodes on another live prompt's path
 //! are never freed, and the new prompt's own path is never a victim. A prompt longer than
-//! `max_nodes x 64` bytes is **truncated** to that length (its prefix is what routing scores),
-//! so alone it fits exactly; empty prompts are ignored. `set_max_nodes` prunes immediately.
+//! `max_nodes x 64` bytes or `max_bytes` is **truncated** to that length (its prefix is what
+//! routing scores), so alone it fits exactly; empty prompts are ignored. `set_max_nodes` and
+//! `set_max_bytes` prune immediately. The node cap bounds memory; the byte cap, unbounded by
+//! default, is what mirrors a replica's KV cache (the bytes stored are the distinct prompt
+//! prefixes, which is what a prefix cache holds, whatever the trie's shape).
 //! The LRU is one list per thread stripe; the order across them is in `evict`.
 //!
 //! # Concurrency
@@ -130,6 +133,7 @@ pub struct PrefixTrie {
     /// Chunk size for labels (`LABEL_BYTES` except in tests).
     k: usize,
     max_nodes: AtomicUsize,
+    max_bytes: AtomicUsize,
     /// Process-unique, for `MatchHint`.
     id: u64,
     /// The writer lock and the state it guards, on one cache line: each write moves just that
@@ -214,6 +218,7 @@ impl PrefixTrie {
             })),
             k,
             max_nodes: AtomicUsize::new(max_nodes.min(MAX_NODES_LIMIT)),
+            max_bytes: AtomicUsize::new(usize::MAX),
             id: {
                 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
                 NEXT_ID.fetch_add(1, Relaxed)
@@ -250,7 +255,7 @@ impl PrefixTrie {
     }
 
     /// Store `prompt` (or refresh it if stored), then prune least-recently-inserted prompts
-    /// until the node count is within the cap.
+    /// until the node and byte counts are within their caps.
     pub fn insert(&self, prompt: &[u8]) {
         self.insert_hinted(prompt, None)
     }
@@ -262,7 +267,8 @@ impl PrefixTrie {
     pub fn insert_hinted(&self, prompt: &[u8], hint: Option<MatchHint>) {
         let cap = self.max_nodes();
         let full = prompt;
-        let prompt = &prompt[..prompt.len().min(cap.saturating_mul(self.k))];
+        let fits = cap.saturating_mul(self.k).min(self.max_bytes());
+        let prompt = &prompt[..prompt.len().min(fits)];
         let mut seen = hint
             .filter(|h| prompt.len() == full.len() && h.is_for(self, full))
             .map(|h| h.walk);
@@ -278,8 +284,8 @@ impl PrefixTrie {
         let chain = seen
             .filter(|w| w.pos < prompt.len())
             .map(|w| self.prebuild(&prompt[w.pos..], w.pos));
-        if let Some(c) = &chain {
-            self.warm(c.nodes);
+        if let (Some(c), Some(w)) = (&chain, seen) {
+            self.warm(c.nodes, prompt.len() - w.pos);
         }
         self.with_writer(|cx| {
             if !prompt.is_empty() {
@@ -292,7 +298,7 @@ impl PrefixTrie {
                 };
                 cx.apply(prompt, walk, chain);
             }
-            cx.evict_to(cx.t.max_nodes());
+            cx.evict_to(cx.t.max_nodes(), cx.t.max_bytes());
         });
     }
 
@@ -325,7 +331,19 @@ impl PrefixTrie {
     pub fn set_max_nodes(&self, n: usize) {
         let n = n.min(MAX_NODES_LIMIT);
         self.max_nodes.store(n, Relaxed);
-        self.with_writer(|cx| cx.evict_to(n));
+        self.with_writer(|cx| cx.evict_to(n, cx.t.max_bytes()));
+    }
+
+    /// Current byte ceiling (`usize::MAX`: none).
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes.load(Relaxed)
+    }
+
+    /// Change the byte ceiling (at least 1); shrinking prunes immediately.
+    pub fn set_max_bytes(&self, n: usize) {
+        let n = n.max(1);
+        self.max_bytes.store(n, Relaxed);
+        self.with_writer(|cx| cx.evict_to(cx.t.max_nodes(), n));
     }
 
     /// Heap bytes held by the trie (segments, directories, writer bookkeeping).

@@ -19,6 +19,7 @@ fn lcp(a: &[u8], b: &[u8]) -> usize {
 pub(super) struct Model {
     k: usize,
     cap: usize,
+    byte_cap: usize,
     pub(super) live: VecDeque<Vec<u8>>,
 }
 
@@ -27,12 +28,13 @@ impl Model {
         Model {
             k,
             cap,
+            byte_cap: usize::MAX,
             live: VecDeque::new(),
         }
     }
 
     pub(super) fn insert(&mut self, p: &[u8]) {
-        let p = &p[..p.len().min(self.cap * self.k)];
+        let p = &p[..p.len().min(self.cap * self.k).min(self.byte_cap)];
         if !p.is_empty() {
             if let Some(i) = self.live.iter().position(|s| s == p) {
                 self.live.remove(i);
@@ -47,8 +49,13 @@ impl Model {
         self.evict();
     }
 
+    pub(super) fn set_byte_cap(&mut self, cap: usize) {
+        self.byte_cap = cap.max(1);
+        self.evict();
+    }
+
     fn evict(&mut self) {
-        while self.slots() > self.cap && !self.live.is_empty() {
+        while (self.slots() > self.cap || self.bytes() > self.byte_cap) && !self.live.is_empty() {
             self.live.pop_front();
         }
     }

@@ -1,6 +1,6 @@
-//! Property tests: random insert / extend / re-insert / hinted-insert / cap-change sequences,
-//! checked after every step against the naive `Model` (stored set, LRU order, node and byte
-//! counts, every `match_len`).
+//! Property tests: random insert / extend / re-insert / hinted-insert / node- and byte-cap
+//! change sequences, checked after every step against the naive `Model` (stored set, LRU
+//! order, node and byte counts, every `match_len`).
 
 use super::{assert_agrees, Model};
 use crate::prefix::trie::{PrefixTrie, LABEL_BYTES};
@@ -15,6 +15,7 @@ enum Op {
     Reinsert(usize),
     Match(Vec<u8>),
     SetCap(usize),
+    SetByteCap(usize),
     /// Like `Extend`, but inserted through `insert_hinted` with the hint of a
     /// `match_hinted` taken first; if the second part is set, a prompt that shares a
     /// prefix of it (cut at `.0`, then `.1`) is inserted in between, so the hint is often
@@ -30,6 +31,7 @@ fn op(alpha: &'static [u8], max_len: usize, max_cap: usize) -> impl Strategy<Val
         3 => any::<usize>().prop_map(Op::Reinsert),
         3 => s().prop_map(Op::Match),
         1 => (0..=max_cap).prop_map(Op::SetCap),
+        1 => (1..=max_cap * max_len.max(4)).prop_map(Op::SetByteCap),
         4 => (any::<usize>(), any::<usize>(), s(), prop::option::of((any::<usize>(), s())))
             .prop_map(|(i, l, x, q)| Op::Hinted(i, l, x, q)),
     ]
@@ -82,6 +84,10 @@ fn run(k: usize, cap: usize, ops: Vec<Op>) {
             Op::SetCap(c) => {
                 t.set_max_nodes(c);
                 m.set_cap(c);
+            }
+            Op::SetByteCap(c) => {
+                t.set_max_bytes(c);
+                m.set_byte_cap(c);
             }
             Op::Hinted(i, l, x, between) => {
                 let p = derived(&history, i, l, &x);

@@ -1,0 +1,192 @@
+//! Prompt keys: what the prefix tries store in place of prompt bytes.
+//!
+//! A prompt's key is one 4-byte hash per whole 64-byte chunk of the prompt: a vLLM replica
+//! caches whole blocks of 16 tokens, about 64 bytes of text, and a partial last block is
+//! recomputed, so a prompt's last partial chunk is left out (a prompt under 64 bytes has an
+//! empty key: nothing of it is worth routing for). Two prompts' keys share a prefix of `k`
+//! hashes exactly when the prompts share their first `k` chunks (up to hash collisions: see
+//! below), a conversation's next turn extends its previous turn's key as it extends its
+//! prompt, and a trie of keys answers "how much of this prompt was stored" in whole chunks
+//! while walking a 16th of the bytes. A key is computed in one pass over the prompt at about
+//! the speed memory delivers it.
+//!
+//! Owns the key's layout, its hash and the conversion of a match back into prompt bytes.
+//! Must not know about tries, targets or routing rules, and must not do I/O.
+//!
+//! The chunk hash is NH (Black et al., "UMAC: Fast and Secure Message Authentication",
+//! 1999; the accumulate step of XXH3): the sum over the chunk's eight 64-bit words of
+//! `lo32(w ^ k) × hi32(w ^ k) + w`, keyed by 64 random bytes drawn once per process, folded
+//! to 32 bits. Keyed NH is almost-universal, so two different chunks get the same hash with
+//! a chance of about 2^-32 whatever their text, and a client cannot aim a collision without
+//! the key. A collision only makes a prompt look one chunk more cached on one target than it
+//! is, because the trie compares hashes under a common prefix. Why not a hash crate: every
+//! one hashes a slice per call, and a call per 64 bytes costs twice this loop (XXH3-64 per
+//! chunk: 14-18 µs for 256 KiB, this loop 7 µs, XXH3 over the whole prompt 8.6 µs);
+//! the numbers are in docs/performance.md. Keys are local to a process (tries are), so the
+//! hash need not be frozen, and gateways need not agree on it.
+
+use std::sync::OnceLock;
+
+/// Prompt bytes per key hash.
+pub const CHUNK_BYTES: usize = 64;
+
+/// Key bytes per chunk.
+pub const HASH_BYTES: usize = 4;
+
+/// Distinct prompt bytes a trie node holds on average when a trie of keys is filled to its
+/// cap with chat prompts (key bytes per node × `CHUNK_BYTES / HASH_BYTES`, checked by test
+/// `a_trie_of_chat_keys_holds_prompt_bytes_per_node_as_stated`). Sizes a trie to a KV cache.
+pub const PROMPT_BYTES_PER_NODE: f64 = 388.0;
+
+/// The per-process chunk-hash key, one word per word of a chunk.
+fn secret() -> &'static [u64; 8] {
+    static KEY: OnceLock<[u64; 8]> = OnceLock::new();
+    KEY.get_or_init(|| std::array::from_fn(|_| rand::random::<u64>()))
+}
+
+/// The chunk's NH sum under `k`, folded to 32 bits.
+#[inline(always)]
+fn chunk_hash(chunk: &[u8; CHUNK_BYTES], k: &[u64; 8]) -> u32 {
+    let mut s = 0u64;
+    for (i, ki) in k.iter().enumerate() {
+        let w = u64::from_le_bytes(chunk[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        let x = w ^ ki;
+        s = s
+            .wrapping_add((x & 0xffff_ffff).wrapping_mul(x >> 32))
+            .wrapping_add(w);
+    }
+    (s ^ (s >> 32)) as u32
+}
+
+/// The key of `prompt` (empty for a prompt under `CHUNK_BYTES`).
+pub fn prompt_key(prompt: &[u8]) -> Vec<u8> {
+    let k = secret();
+    let mut key = vec![0u8; key_len(prompt.len())];
+    for (h, c) in key
+        .chunks_exact_mut(HASH_BYTES)
+        .zip(prompt.chunks_exact(CHUNK_BYTES))
+    {
+        let c = c.try_into().expect("a whole chunk");
+        h.copy_from_slice(&chunk_hash(c, k).to_le_bytes());
+    }
+    key
+}
+
+/// Bytes in the key of a prompt of `prompt_len` bytes.
+pub fn key_len(prompt_len: usize) -> usize {
+    prompt_len / CHUNK_BYTES * HASH_BYTES
+}
+
+/// Prompt bytes a match of `matched` key bytes stands for: the whole chunks matched (a
+/// match that ends inside a hash counts that chunk as not matched).
+pub fn matched_prompt_bytes(matched: usize) -> usize {
+    matched / HASH_BYTES * CHUNK_BYTES
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::PrefixTrie;
+
+    fn text(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                b'a' + (x % 26) as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_key_has_one_hash_per_whole_chunk() {
+        for (n, hashes) in [
+            (0, 0),
+            (1, 0),
+            (63, 0),
+            (64, 1),
+            (127, 1),
+            (128, 2),
+            (1000, 15),
+        ] {
+            assert_eq!(
+                prompt_key(&text(n, 3)).len(),
+                hashes * HASH_BYTES,
+                "{n} bytes"
+            );
+            assert_eq!(key_len(n), hashes * HASH_BYTES);
+        }
+    }
+
+    #[test]
+    fn prompts_sharing_whole_chunks_share_their_hashes_and_no_more() {
+        let a = text(640, 1);
+        for cut in [0, 1, 63, 64, 65, 200, 639] {
+            let mut b = a.clone();
+            b[cut] ^= 0x20;
+            let (ka, kb) = (prompt_key(&a), prompt_key(&b));
+            let same = ka.iter().zip(&kb).take_while(|(x, y)| x == y).count();
+            let chunk = cut / CHUNK_BYTES;
+            // Exactly the chunks before the changed one match: the changed chunk's hash
+            // differs (but for a 2^-32 chance under the process's random key).
+            assert_eq!(same / HASH_BYTES, chunk, "byte {cut} changed");
+            assert_eq!(matched_prompt_bytes(same), chunk * CHUNK_BYTES);
+        }
+    }
+
+    #[test]
+    fn a_longer_prompt_extends_the_key_of_its_prefix() {
+        let long = text(1000, 5);
+        let full = prompt_key(&long);
+        for n in [0, 63, 64, 100, 640, 999] {
+            let short = prompt_key(&long[..n]);
+            assert_eq!(short[..], full[..short.len()], "{n}-byte prefix");
+        }
+    }
+
+    #[test]
+    fn chunks_hash_by_content_not_position() {
+        let c = text(64, 8);
+        let twice: Vec<u8> = [c.clone(), c.clone()].concat();
+        let k = prompt_key(&twice);
+        assert_eq!(k[..HASH_BYTES], k[HASH_BYTES..]);
+    }
+
+    #[test]
+    fn a_match_counts_whole_chunks() {
+        assert_eq!(matched_prompt_bytes(0), 0);
+        assert_eq!(matched_prompt_bytes(3), 0);
+        assert_eq!(matched_prompt_bytes(4), 64);
+        assert_eq!(matched_prompt_bytes(11), 128);
+        assert_eq!(matched_prompt_bytes(12), 192);
+    }
+
+    #[test]
+    fn a_trie_of_chat_keys_holds_prompt_bytes_per_node_as_stated() {
+        // The fill of the trie's own memory test: a shared 2 KiB system prompt, then
+        // conversations growing by ~600-byte turns, each turn stored, past the cap.
+        let t = PrefixTrie::new(20_000);
+        let sys = text(2048, 11);
+        let mut prompt_bytes = 0usize;
+        let mut conv = 0u64;
+        while t.evictions() < 200 {
+            conv += 1;
+            let mut p = sys.clone();
+            p.extend_from_slice(&conv.to_le_bytes());
+            for turn in 0..8 {
+                p.extend_from_slice(&text(600, conv * 8 + turn));
+                t.insert(&prompt_key(&p));
+            }
+            prompt_bytes = prompt_bytes.max(p.len());
+        }
+        let per_node =
+            t.byte_count() as f64 / t.node_count() as f64 * (CHUNK_BYTES / HASH_BYTES) as f64;
+        eprintln!("{per_node:.1} prompt bytes per node");
+        assert!(
+            (per_node / PROMPT_BYTES_PER_NODE - 1.0).abs() < 0.05,
+            "{per_node:.0} prompt bytes per node: update PROMPT_BYTES_PER_NODE"
+        );
+    }
+}
