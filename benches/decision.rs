@@ -13,7 +13,7 @@
 //! 2 threads sharing the route (one strategy, one set of tries), each thread serving its own
 //! growing multi-turn chats (the `trie` bench's `concurrent` workload), so later turns return
 //! to their cached target and first turns spread over the fleet: the insert + match load the
-//! gateway's worker threads put on the routing core. Tries are capped at 100k nodes so they
+//! gateway's worker threads put on the routing core. Tries are capped at 15k nodes so they
 //! reach steady-state eviction during setup. Afterwards interleaved A/B rounds print the
 //! 2-thread throughput speedup, wall-clock and projected for two dedicated cores (as in the
 //! `trie` bench).
@@ -153,7 +153,7 @@ fn long_prompts(c: &mut Criterion) {
 /// choice in (each trie takes half the inserts) and issue 4's decision target's 16.
 const ROUTE_TARGETS: [usize; 2] = [2, 16];
 /// Node cap per trie in the concurrent route bench.
-const ROUTE_TRIE_CAP: usize = 100_000;
+const ROUTE_TRIE_CAP: usize = 15_000;
 
 fn concurrent(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision_concurrent");

@@ -135,7 +135,7 @@ endpoint = "tcp://127.0.0.1:$BOMB_PORT"
 EOF
   for spec in "mt cache_aware" "fs precise_cache_aware" "uq lmcache_aware" "pl pipeline"; do
     set -- $spec
-    printf '[[routes]]\nmodel = "%s"\nstrategy = "%s"\ntrie_max_nodes = 20000\n' "$1" "$2"
+    printf '[[routes]]\nmodel = "%s"\nstrategy = "%s"\ntrie_max_nodes = 3000\n' "$1" "$2"
     for i in $(seq 0 $((REPLICAS - 1))); do
       local w=1
       [ "$i" = 0 ] && w=$w0
@@ -313,7 +313,7 @@ read -r rss_warm rss_last rss_max fd_min fd_max < <(awk -v w="$WARM" -F'\t' '
   echo "Gateway: \`rolter\` (2 worker threads) in front of $REPLICAS \`rolter-sim\` processes (one replica each:"
   echo "at most 4 running requests, 512-block cache, 20 µs/uncached prompt token, 2 ms/output token, 32 output"
   echo "tokens), routes \`mt\` cache_aware, \`fs\` precise_cache_aware (KV events + replay), \`uq\` lmcache_aware,"
-  echo "\`pl\` pipeline; \`trie_max_nodes = 20000\` per target, \`max_blocks = 4096\` per KV index. Four"
+  echo "\`pl\` pipeline; \`trie_max_nodes = 3000\` per target, \`max_blocks = 4096\` per KV index. Four"
   echo "\`rolter-load run\` drivers ($CLIENTS closed-loop streaming clients each) loop over seeded rounds:"
   echo "multi-turn (12 sessions × 4 turns, 1,000-token system prompts), few-shot (40 requests, 800-token"
   echo "templates), unique (40 × 300 tokens), multi-turn with \`x-session-id\` (10 × 5)."

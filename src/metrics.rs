@@ -48,7 +48,7 @@ pub struct Metrics {
     pub prefix_score: HistogramVec,
     /// Prefix trie nodes per target (refreshed at scrape time).
     pub trie_nodes: IntGaugeVec,
-    /// Prompts evicted from a target's trie by its node cap (caught up at scrape time).
+    /// Prompts evicted from a target's trie by its node or byte cap (caught up at scrape time).
     pub trie_evictions: IntCounterVec,
     /// Sessions in a route's affinity table (refreshed at scrape time).
     pub sessions: IntGaugeVec,
@@ -297,7 +297,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     .expect("register rolter_trie_nodes"),
     trie_evictions: register_int_counter_vec!(
         "rolter_trie_evictions_total",
-        "Prompts evicted from a target's prefix trie by its node cap",
+        "Prompts evicted from a target's prefix trie by its node or byte cap",
         &["target"]
     )
     .expect("register rolter_trie_evictions_total"),

@@ -126,7 +126,9 @@ fn start_load(
                 let mut n = 0;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                     n += 1;
-                    let body = chat_body("alias", &format!("client {client} request {n}"), false);
+                    // Past one 64-byte chunk, so each request stores a key in its target's trie.
+                    let text = format!("client {client} request {n}: {}", "load ".repeat(16));
+                    let body = chat_body("alias", &text, false);
                     let resp = http
                         .post(&url)
                         .header("content-type", "application/json")

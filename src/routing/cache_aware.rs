@@ -5,8 +5,8 @@
 //! prompts routed to it (inserted when the decision is made, so a burst of requests sharing
 //! a new prefix sees where the first one went, as the replica does once it starts
 //! prefilling). A match counts the prompt's whole chunks a trie holds; scores are turned
-//! into cached tokens (`prompt bytes / prompt_bytes_per_token`) and handed to the shared placement rule
-//! ([`super::placement`]): cost = uncached tokens + `load_cost_tokens` × extra queue,
+//! into cached tokens (`prompt bytes / prompt_bytes_per_token`) and handed to the shared
+//! placement rule ([`super::placement`]): cost = uncached tokens + `load_cost_tokens` × extra queue,
 //! deterministic ties, and an overload guard that keeps a conversation on its target
 //! longer than it keeps a new one. Only eligible targets are compared (a broken
 //! replica's empty queue never makes the others look busy). An empty prompt goes to the
@@ -26,9 +26,11 @@ pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
 /// Default prompt bytes per token: English text averages about 4 characters per BPE token
 /// (OpenAI's rule of thumb); the chat encoding adds a few bytes per message.
 pub const DEFAULT_PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
-/// Distinct prompt bytes a trie node of prompt keys holds on average when filled with chat
-/// prompts (`prefix::key::PROMPT_BYTES_PER_NODE`).
-pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = key::PROMPT_BYTES_PER_NODE;
+/// Distinct prompt bytes a trie node of prompt keys stands for on average when filled with
+/// chat prompts (key bytes per node × `CHUNK_BYTES / HASH_BYTES`; checked by test
+/// `a_trie_of_chat_keys_holds_prompt_bytes_per_node_as_stated`). Estimates the room under a
+/// trie's node cap.
+pub const TRIE_PROMPT_BYTES_PER_NODE: f64 = 388.0;
 
 /// Byte cap of a target's prefix trie so that the prompt chunks it holds match what its
 /// replica's KV cache holds (`kv_cache_tokens` × `bytes_per_token` of prompt, in key bytes).
@@ -194,8 +196,10 @@ impl Strategy for CacheAware {
             }),
         };
         let placed = self.rule.place(&ask, &choices)?;
-        // The chosen target's walk, handed to `record` so its insert starts where it stopped.
+        // The chosen target's walk, handed to `record` so its insert starts where it stopped:
+        // only for the caller's key, which `record` sees again (a key computed here is gone).
         let hint = hints.iter().find(|&&(i, _)| i == placed.index)?.1;
+        let hint = hint.filter(|_| matches!(key, Cow::Borrowed(_)));
         Some(Decision {
             target: placed.index,
             reason: placed.reason,
@@ -209,8 +213,9 @@ impl Strategy for CacheAware {
         let Some(target) = fleet.candidates.get(decision.target) else {
             return;
         };
-        if let Some(trie) = target.prefix {
-            trie.insert_hinted(&prompt_key_of(input), decision.hint);
+        let key = prompt_key_of(input);
+        if let (Some(trie), false) = (target.prefix, key.is_empty()) {
+            trie.insert_hinted(&key, decision.hint);
         }
         remember_target(self.conversations.as_deref(), input, target, decision);
     }
@@ -298,7 +303,8 @@ mod tests {
     #[test]
     fn two_gateways_that_split_a_group_bring_it_back_to_one_home() {
         let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(80));
-        let conversation = |n: usize| format!("{system}\x1euser\x1fquestion {n}\x1e");
+        let conversation =
+            |n: usize| format!("{system}\x1euser\x1fquestion {n} {}\x1e", "q".repeat(64));
         let (ta, tb) = (tries(4), tries(4));
         store(&ta[0], conversation(0).as_bytes());
         store(&tb[1], conversation(1).as_bytes());
@@ -469,16 +475,14 @@ mod tests {
     #[test]
     fn below_threshold_ignores_a_trivial_partial_match() {
         let t = tries(3);
-        store(
-            &t[0],
-            format!("You are assistant 0. {}", "x".repeat(500)).as_bytes(),
-        );
+        let start = "You are an assistant. ".repeat(3);
+        store(&t[0], format!("{start}0 {}", "x".repeat(500)).as_bytes());
         let c = fleet(&t, &[0, 0, 0], &[true; 3]);
-        // The 17 shared bytes are no reason to go to 0: cold prompts spread as if it were
-        // as cold as the others.
+        // The one shared chunk (64 of ~570 bytes) is no reason to go to 0: cold prompts
+        // spread as if it were as cold as the others.
         let mut seen = [0usize; 3];
         for i in 1..=300 {
-            let prompt = format!("You are assistant {i}. {}", "y".repeat(500));
+            let prompt = format!("{start}{i} {}", "y".repeat(500));
             let d = CacheAware::default()
                 .select(&input(prompt.as_bytes()), &FleetView::new(&c))
                 .unwrap();
@@ -508,11 +512,43 @@ mod tests {
             let d = CacheAware::default()
                 .select(&input(prompt.as_bytes()), &FleetView::new(&c))
                 .unwrap();
-            assert_eq!(
-                (d.target, d.reason, d.score),
-                (first.target, first.reason, first.score)
-            );
+            assert_eq!(d, first);
         }
+    }
+
+    #[test]
+    fn a_trie_of_chat_keys_holds_prompt_bytes_per_node_as_stated() {
+        // The fill of the trie's own memory test: a shared 2 KiB system prompt, then
+        // conversations growing by ~600-byte turns, each turn stored, past the cap.
+        let text = |n: usize, seed: u64| -> Vec<u8> {
+            let mut x = seed | 1;
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    b'a' + (x % 26) as u8
+                })
+                .collect()
+        };
+        let t = PrefixTrie::new(20_000);
+        let sys = text(2048, 11);
+        let mut conv = 0u64;
+        while t.evictions() < 200 {
+            conv += 1;
+            let mut p = sys.clone();
+            p.extend_from_slice(&conv.to_le_bytes());
+            for turn in 0..8 {
+                p.extend_from_slice(&text(600, conv * 8 + turn));
+                t.insert(&key::prompt_key(&p));
+            }
+        }
+        let per_node =
+            t.byte_count() as f64 / t.node_count() as f64 * (CHUNK_BYTES / HASH_BYTES) as f64;
+        assert!(
+            (per_node / TRIE_PROMPT_BYTES_PER_NODE - 1.0).abs() < 0.05,
+            "{per_node:.0} prompt bytes per node: update TRIE_PROMPT_BYTES_PER_NODE"
+        );
     }
 
     #[test]
@@ -547,7 +583,11 @@ mod tests {
         t.insert(&key::prompt_key(
             format!("newer {}", "m".repeat(1000)).as_bytes(),
         ));
-        assert_eq!(t.match_len(&old), 0, "the third KiB evicted the oldest");
+        assert_eq!(
+            key::matched_prompt_bytes(t.match_len(&old)),
+            0,
+            "the third KiB evicted the oldest"
+        );
         assert!(t.byte_count() <= t.max_bytes());
         // A trie without a byte cap still holds it.
         let big = PrefixTrie::new(1_000_000);
@@ -620,14 +660,14 @@ mod tests {
                 while !stop.load(Ordering::Relaxed) {
                     n += 1;
                     let p = format!("writer {n} {}", "w".repeat((n % 7 * 40) as usize));
-                    t[(n % 2) as usize].insert(p.as_bytes());
+                    store(&t[(n % 2) as usize], p.as_bytes());
                 }
             });
             let deadline = Instant::now() + Duration::from_secs(2);
             let mut decisions = 0u64;
             while Instant::now() < deadline && decisions < 2_000_000 {
                 decisions += 1;
-                let d = cs.select(&input(b"a cold prompt nobody has sent"), &view);
+                let d = cs.select(&input(&[b'c'; 200]), &view);
                 if d.is_none() {
                     stop.store(true, Ordering::Relaxed);
                     panic!("decision {decisions}: no target while the tries changed");

@@ -208,9 +208,11 @@ impl Strategy for Pipeline {
         let Some(c) = fleet.candidates.get(target) else {
             return;
         };
-        // A pass-through request (embeddings, ...) keeps its session with no prompt.
-        if let Some(trie) = c.prefix {
-            trie.insert(&prompt_key_of(input));
+        // A pass-through request (embeddings, ...) or a prompt under one chunk keeps its
+        // session with no key to store.
+        let key = prompt_key_of(input);
+        if let (Some(trie), false) = (c.prefix, key.is_empty()) {
+            trie.insert(&key);
         }
         if let Some(session) = input.session_id {
             self.sessions.put(session, c.label, input.now_ms);

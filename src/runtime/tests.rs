@@ -111,6 +111,42 @@ fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A provider's `kv_cache_tokens` sets its targets' trie byte cap at every load: set,
+/// changed and removed by reloads, with the node cap from the route each time.
+#[test]
+fn a_reload_sets_each_trie_cap_from_the_provider_cache_size() {
+    let with_cache = |tokens: Option<u64>| {
+        let text = routes(&["a"], "cache_aware", None);
+        let text = match tokens {
+            Some(t) => text.replacen(
+                "api_base = \"http://127.0.0.1:9000\"\n",
+                &format!("api_base = \"http://127.0.0.1:9000\"\nkv_cache_tokens = {t}\n"),
+                1,
+            ),
+            None => text,
+        };
+        text.replacen(
+            "strategy = \"cache_aware\"\n",
+            "strategy = \"cache_aware\"\ntrie_max_nodes = 5000\n",
+            1,
+        )
+    };
+    let (dir, path) = routes_file("kvcap", &with_cache(Some(8192)));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let a = rt.registry().get_or_create(&key("a"));
+    let cap = |tokens| crate::routing::cache_aware::trie_bytes_for_kv_cache(Some(tokens), 4.0);
+    assert_eq!(a.trie.max_bytes(), cap(8192));
+    assert_eq!(a.trie.max_nodes(), 5000);
+    std::fs::write(&path, with_cache(Some(1024))).unwrap();
+    rt.reload().unwrap();
+    assert_eq!(a.trie.max_bytes(), cap(1024));
+    std::fs::write(&path, with_cache(None)).unwrap();
+    rt.reload().unwrap();
+    assert_eq!(a.trie.max_bytes(), usize::MAX, "no cache size: no byte cap");
+    assert_eq!(a.trie.max_nodes(), 5000);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Regression: checks switched off for a provider the probes had marked down left
 /// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
 #[test]

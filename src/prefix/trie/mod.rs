@@ -1,8 +1,9 @@
 //! Per-target prefix trie: which prompt prefixes a target has served (SPEC §4 cache_aware).
+//! It stores byte strings; the routing strategies store prompt keys (`prefix::key`).
 //!
 //! Owns the data structure behind the cache-aware score: `match_len` (longest common prefix of
-//! a prompt with any stored prompt), `insert`, the node ceiling with least-recently-*inserted*
-//! eviction, and the counters the router and metrics read. Must not do I/O, know about
+//! a string with any stored string), `insert`, the node and byte ceilings with
+//! least-recently-*inserted* eviction, and the counters the router and metrics read. Must not do I/O, know about
 //! targets, routes, pingora or tokio, or spawn threads. One `PrefixTrie` per target; tries share
 //! nothing, so no lock spans targets.
 //!
@@ -37,8 +38,9 @@
 //! # Eviction
 //! Every stored prompt is an LRU entry on its end node; inserting it again moves it to the
 //! back. An insert links its prompt first, then, while `node_count > max_nodes` or
-//! `byte_count > max_bytes`, drops the oldest prompt: its end mark is cleared, the run of nodes only it used (up to the first
-//! ancestor that is the root, another prompt's end, or a branch point) is unlinked and freed,
+//! `byte_count > max_bytes`, drops the oldest prompt: its end mark is cleared, the run of
+//! nodes only it used (up to the first ancestor that is the root, another prompt's end, or a
+//! branch point) is unlinked and freed,
 //! and a branch point left with one child is merged into it. Nodes on another live prompt's path
 //! are never freed, and the new prompt's own path is never a victim. A prompt longer than
 //! `max_nodes x 64` bytes or `max_bytes` is **truncated** to that length (its prefix is what
@@ -92,9 +94,9 @@ pub const MAX_NODES_LIMIT: usize = 1 << 30;
 /// the 1M-node default stays under the 100 MiB per-target budget of issue 4.
 pub const LABEL_BYTES: usize = 64;
 
-/// Distinct prompt bytes a node slot holds on average in a trie filled to its cap with chat
+/// Distinct bytes a node slot holds on average in a trie filled to its cap with raw chat
 /// prompts (`byte_count / node_count`, checked by test `fill_to_default_cap_stays_under_100_mib`:
-/// 100.1 B of memory per node, 1.71 B per stored prompt byte). Sizes a trie to a KV cache.
+/// 100.1 B of memory per node, 1.71 B per stored byte).
 pub const PROMPT_BYTES_PER_NODE: f64 = 58.5;
 
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
@@ -126,7 +128,8 @@ impl MatchHint {
     }
 }
 
-/// Node-capped, LRU-by-insertion radix trie of prompt bytes; `Send + Sync`, lock-free reads.
+/// Node- and byte-capped, LRU-by-insertion radix trie of byte strings; `Send + Sync`,
+/// lock-free reads.
 pub struct PrefixTrie {
     // Read-mostly, loaded by every walk: kept off the cache lines the writer dirties.
     dir: AtomicPtr<Dir>,
@@ -317,7 +320,7 @@ impl PrefixTrie {
         self.writer.stats.prompts.load(Relaxed)
     }
 
-    /// Prompts pruned by the node cap since creation.
+    /// Prompts pruned by the node or byte cap since creation.
     pub fn evictions(&self) -> u64 {
         self.writer.stats.evictions.load(Relaxed)
     }
