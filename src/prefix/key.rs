@@ -80,10 +80,11 @@ pub fn matched_prompt_bytes(matched: usize) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn text(n: usize, seed: u64) -> Vec<u8> {
+    /// `n` pseudo-random lowercase letters from `seed` (xorshift).
+    pub(crate) fn text(n: usize, seed: u64) -> Vec<u8> {
         let mut x = seed | 1;
         (0..n)
             .map(|_| {

@@ -520,17 +520,7 @@ mod tests {
     fn a_trie_of_chat_keys_holds_prompt_bytes_per_node_as_stated() {
         // The fill of the trie's own memory test: a shared 2 KiB system prompt, then
         // conversations growing by ~600-byte turns, each turn stored, past the cap.
-        let text = |n: usize, seed: u64| -> Vec<u8> {
-            let mut x = seed | 1;
-            (0..n)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    b'a' + (x % 26) as u8
-                })
-                .collect()
-        };
+        use crate::prefix::key::tests::text;
         let t = PrefixTrie::new(20_000);
         let sys = text(2048, 11);
         let mut conv = 0u64;
