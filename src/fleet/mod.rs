@@ -149,7 +149,7 @@ pub struct TargetState {
     health: Arc<ProviderHealth>,
     /// Passive health (cooldown, circuit).
     pub breaker: Breaker,
-    /// Prompts this target has served (cache_aware / pipeline prefix state).
+    /// Keys of the prompts this target has served (cache_aware / pipeline prefix state).
     pub trie: PrefixTrie,
 }
 
