@@ -6,9 +6,9 @@
 //! a new prefix sees where the first one went, as the replica does once it starts
 //! prefilling). A match counts the prompt's whole chunks a trie holds; scores are turned
 //! into cached tokens (`prompt bytes / prompt_bytes_per_token`) and handed to the shared
-//! placement rule ([`super::placement`]): cost = uncached tokens + `load_cost_tokens` × extra queue,
-//! deterministic ties, and an overload guard that keeps a conversation on its target
-//! longer than it keeps a new one. Only eligible targets are compared (a broken
+//! placement rule ([`super::placement`]): cost = uncached tokens + `load_cost_tokens` ×
+//! extra queue, deterministic ties, and an overload guard that keeps a conversation on its
+//! target longer than it keeps a new one. Only eligible targets are compared (a broken
 //! replica's empty queue never makes the others look busy). An empty prompt goes to the
 //! least-loaded target (`fallback`).
 

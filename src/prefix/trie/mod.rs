@@ -3,9 +3,9 @@
 //!
 //! Owns the data structure behind the cache-aware score: `match_len` (longest common prefix of
 //! a string with any stored string), `insert`, the node and byte ceilings with
-//! least-recently-*inserted* eviction, and the counters the router and metrics read. Must not do I/O, know about
-//! targets, routes, pingora or tokio, or spawn threads. One `PrefixTrie` per target; tries share
-//! nothing, so no lock spans targets.
+//! least-recently-*inserted* eviction, and the counters the router and metrics read. Must
+//! not do I/O, know about targets, routes, pingora or tokio, or spawn threads. One
+//! `PrefixTrie` per target; tries share nothing, so no lock spans targets.
 //!
 //! This file is the public face: `PrefixTrie`, `MatchHint`, the constructor, the operations
 //! and the getters. The machinery sits in submodules, one job each:
@@ -33,7 +33,7 @@
 //! "Node" in `max_nodes` / `node_count` means such a slot, so the cap bounds memory whatever the
 //! prompts look like: at most 100 B x (cap + the chains being inserted) + a directory of 8 B
 //! per 1024 slots. At the 1M default that is 95.4 MiB (filled with chat prompts: 100.1 B per
-//! node, 1.71 B per stored prompt byte, hence `PROMPT_BYTES_PER_NODE`).
+//! node, 1.71 B per stored prompt byte: 58.5 stored bytes per node).
 //!
 //! # Eviction
 //! Every stored prompt is an LRU entry on its end node; inserting it again moves it to the
@@ -93,11 +93,6 @@ pub const MAX_NODES_LIMIT: usize = 1 << 30;
 /// Most edge-label bytes one node holds: one 64-byte cache line, so a node slot is 96 bytes and
 /// the 1M-node default stays under the 100 MiB per-target budget of issue 4.
 pub const LABEL_BYTES: usize = 64;
-
-/// Distinct bytes a node slot holds on average in a trie filled to its cap with raw chat
-/// prompts (`byte_count / node_count`, checked by test `fill_to_default_cap_stays_under_100_mib`:
-/// 100.1 B of memory per node, 1.71 B per stored byte).
-pub const PROMPT_BYTES_PER_NODE: f64 = 58.5;
 
 /// Lock-free read attempts before a reader gives up and reads under the writer lock (guarantees
 /// progress under a write storm; in practice the first attempt succeeds).

@@ -6,7 +6,7 @@ mod concurrent;
 mod model_check;
 
 use super::node::KIDS_PER_BLOCK;
-use super::{PrefixTrie, DEFAULT_MAX_NODES, LABEL_BYTES, PROMPT_BYTES_PER_NODE};
+use super::{PrefixTrie, DEFAULT_MAX_NODES, LABEL_BYTES};
 use std::collections::{BTreeSet, VecDeque};
 
 fn lcp(a: &[u8], b: &[u8]) -> usize {
@@ -294,6 +294,10 @@ fn byte_trie_degenerate_chunk_of_one() {
     assert_eq!(t.match_len(b"helium"), 3);
     t.check();
 }
+
+/// Distinct bytes a node slot holds on average in a trie filled to its cap with raw chat
+/// prompts (`byte_count / node_count`), as docs/trie.md states it.
+const PROMPT_BYTES_PER_NODE: f64 = 58.5;
 
 #[test]
 fn fill_to_default_cap_stays_under_100_mib() {
