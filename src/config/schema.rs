@@ -459,6 +459,11 @@ pub struct RouteConfig {
     /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware).
     #[serde(default = "default_load_bound")]
     pub load_bound: f64,
+    /// New work skips targets already given more than this multiple of the mean share of
+    /// the recent new work while another is within it; 0 = no bound (cache_aware,
+    /// precise_cache_aware).
+    #[serde(default = "default_share_bound")]
+    pub share_bound: f64,
     /// Send a new conversation to the home every gateway names for its prefix group
     /// (cache_aware; see `routing::group_homes`).
     #[serde(default = "default_group_homes")]
@@ -543,6 +548,10 @@ fn default_group_homes() -> bool {
 
 fn default_load_bound() -> f64 {
     crate::routing::placement::DEFAULT_LOAD_BOUND
+}
+
+fn default_share_bound() -> f64 {
+    crate::routing::placement::DEFAULT_SHARE_BOUND
 }
 
 fn default_prompt_bytes_per_token() -> f64 {
@@ -678,6 +687,7 @@ impl RouteConfig {
                 .unwrap_or(crate::routing::placement::DEFAULT_BALANCE_ABS),
             balance_rel: self.balance_rel,
             load_bound: self.load_bound,
+            share_bound: self.share_bound,
             group_homes: self.group_homes,
         }
     }

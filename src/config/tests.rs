@@ -513,6 +513,7 @@ fn placement_keys_are_defaulted_and_bounded() {
     assert_eq!(rule.load_cost_tokens, 200.0);
     assert_eq!((rule.balance_abs, rule.balance_rel), (5, 1.3));
     assert_eq!(rule.load_bound, 1.5);
+    assert_eq!(rule.share_bound, 1.15);
     assert!(rule.group_homes);
     // Pipeline has its own `balance_abs` default; a set value applies to every strategy.
     assert_eq!(c.routes[0].pipeline_rule().balance_abs, 6);
@@ -520,12 +521,13 @@ fn placement_keys_are_defaulted_and_bounded() {
     assert_eq!(set.routes[0].placement_rule().balance_abs, 4);
     assert_eq!(set.routes[0].pipeline_rule().balance_abs, 4);
     let c = parse(
-        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0\ngroup_homes = false"),
+        &with("load_cost_tokens = 0\nbalance_abs = 0\nbalance_rel = 1.0\nload_bound = 0\ngroup_homes = false\nshare_bound = 0"),
         "p.toml",
     )
     .unwrap();
     assert_eq!(c.routes[0].placement_rule().balance_abs, 0);
     assert_eq!(c.routes[0].placement_rule().load_bound, 0.0);
+    assert_eq!(c.routes[0].placement_rule().share_bound, 0.0);
     assert!(!c.routes[0].placement_rule().group_homes);
     for (bad, key) in [
         ("load_cost_tokens = -1.0", "load_cost_tokens"),
@@ -536,6 +538,8 @@ fn placement_keys_are_defaulted_and_bounded() {
         ("balance_rel = inf", "balance_rel"),
         ("load_bound = 0.5", "load_bound"),
         ("load_bound = nan", "load_bound"),
+        ("share_bound = 0.9", "share_bound"),
+        ("share_bound = nan", "share_bound"),
         ("prompt_bytes_per_token = 1e-306", "prompt_bytes_per_token"),
     ] {
         let problems = parse(&with(bad), "p.toml").unwrap_err().problems();

@@ -125,6 +125,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 "routes[{i}].load_bound: must be 0 (no bound) or between 1 and 100"
             ));
         }
+        if !(r.share_bound == 0.0 || (r.share_bound >= 1.0 && r.share_bound <= 100.0)) {
+            out.push(format!(
+                "routes[{i}].share_bound: must be 0 (no bound) or between 1 and 100"
+            ));
+        }
         if r.trie_max_nodes < 2 || r.trie_max_nodes > crate::prefix::trie::MAX_NODES_LIMIT {
             out.push(format!(
                 "routes[{i}].trie_max_nodes: must be between 2 and {}",

@@ -12,6 +12,7 @@ pub mod export;
 pub mod idle;
 pub mod lmcache;
 pub mod probe;
+pub mod recent;
 
 use crate::metrics::METRICS;
 use crate::prefix::StreamState;
@@ -151,6 +152,8 @@ pub struct TargetState {
     pub breaker: Breaker,
     /// Keys of the prompts this target has served (cache_aware / pipeline prefix state).
     pub trie: PrefixTrie,
+    /// New work placed here recently (the placement rule's `share_bound`).
+    pub placed: recent::RecentCount,
 }
 
 impl TargetState {
@@ -169,6 +172,7 @@ impl TargetState {
             health,
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
+            placed: recent::RecentCount::default(),
         }
     }
 

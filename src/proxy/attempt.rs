@@ -51,6 +51,9 @@ impl<'r> Attempt<'r> {
             route.metrics.prefix_score(score);
         }
         let slot = target.state.start_request();
+        if decision.new_work {
+            target.state.placed.note(input.now_ms);
+        }
         let started = Instant::now();
         // An attempt that then fails to connect leaves its prompt in the target's trie
         // (bounded, LRU) or pending set (3 s).

@@ -33,6 +33,7 @@ impl Strategy for RoundRobin {
             score: None,
             hint: None,
             conversation: None,
+            new_work: false,
         })
     }
 }
@@ -57,6 +58,7 @@ impl Strategy for LeastLoad {
             score: None,
             hint: None,
             conversation: None,
+            new_work: false,
         })
     }
 }
@@ -75,6 +77,7 @@ mod tests {
             label: "",
             kv: None,
             lmcache: None,
+            placed: 0.0,
         }
     }
 

@@ -165,6 +165,7 @@ impl Strategy for CacheAware {
                 score: None,
                 hint: None,
                 conversation: None,
+                new_work: false,
             });
         }
         let len = input.prompt.len() as f64;
@@ -179,6 +180,7 @@ impl Strategy for CacheAware {
                     inflight: c.inflight,
                     cached_tokens: score * len / self.bytes_per_token,
                     room_tokens: c.prefix.map_or(0.0, room_bytes) / self.bytes_per_token,
+                    placed: c.placed,
                     label: c.label,
                 }
             })
@@ -206,6 +208,7 @@ impl Strategy for CacheAware {
             score: Some(placed.score),
             hint,
             conversation: Some(keys.conversation),
+            new_work: placed.new_work,
         })
     }
 
@@ -241,6 +244,7 @@ mod tests {
                 label: ["t0", "t1", "t2", "t3"][i],
                 kv: None,
                 lmcache: None,
+                placed: 0.0,
             })
             .collect()
     }
@@ -380,6 +384,30 @@ mod tests {
         assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
     }
 
+    /// A conversation's first turn is new work (what `share_bound` counts); a turn whose
+    /// history its target holds is not.
+    #[test]
+    fn a_first_turn_is_new_work_and_its_next_turn_is_not() {
+        let t = tries(4);
+        let c = fleet(&t, &[0; 4], &[true; 4]);
+        let s = CacheAware::default();
+        let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(80));
+        let turn1 = format!("{system}\x1euser\x1f{}\x1e", "first question ".repeat(8));
+        let d1 = s
+            .select(&input(turn1.as_bytes()), &FleetView::new(&c))
+            .unwrap();
+        assert!(d1.new_work, "{d1:?}");
+        s.record(&input(turn1.as_bytes()), &FleetView::new(&c), &d1);
+        let turn2 = format!(
+            "{turn1}assistant\x1f{}\x1euser\x1fmore\x1e",
+            "answer ".repeat(20)
+        );
+        let d2 = s
+            .select(&input(turn2.as_bytes()), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d2.target, d2.new_work), (d1.target, false), "{d2:?}");
+    }
+
     /// The decision is deterministic: two gateways (two strategy values over tries that saw
     /// the same requests) route a request alike, also when targets tie on cache.
     #[test]
@@ -428,6 +456,7 @@ mod tests {
                 score: None,
                 hint: None,
                 conversation: Some(PlacementKeys::from_prompt(turn1.as_bytes()).0.conversation),
+                new_work: false,
             };
             remembering.record(&input(turn1.as_bytes()), &FleetView::new(&c), &d);
             let t = tries(2);

@@ -80,6 +80,7 @@ impl Strategy for LmcacheAware {
                 score: None,
                 hint: None,
                 conversation: None,
+                new_work: false,
             })
         };
         let (sum, fresh) = fleet
@@ -115,6 +116,7 @@ impl Strategy for LmcacheAware {
             score: None,
             hint: None,
             conversation: None,
+            new_work: false,
         })
     }
 }

@@ -60,6 +60,9 @@ pub struct Candidate<'a> {
     pub kv: Option<KvView<'a>>,
     /// Fresh LMCache controller status; `None` when neutral (none, failed or stale).
     pub lmcache: Option<LmcacheView>,
+    /// New work placed on this target in the last `fleet::recent::WINDOW_MS` (estimated),
+    /// for the placement rule's `share_bound`.
+    pub placed: f64,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
@@ -176,6 +179,9 @@ pub struct Decision {
     /// The conversation's placement key, for strategies that remember where each
     /// conversation went (`record` stores it).
     pub conversation: Option<u64>,
+    /// New work (not the continuation of a conversation a target holds): what the
+    /// placement rule's `share_bound` counts.
+    pub new_work: bool,
 }
 
 /// A target-selection policy for one route.

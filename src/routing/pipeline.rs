@@ -124,6 +124,7 @@ impl Strategy for Pipeline {
                 score: None,
                 hint: None,
                 conversation: None,
+                new_work: false,
             });
         }
         let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
@@ -192,6 +193,7 @@ impl Strategy for Pipeline {
             score: Some(prefix),
             hint: None,
             conversation: None,
+            new_work: false,
         })
     }
 
@@ -243,6 +245,7 @@ mod tests {
                 label: LABELS[i],
                 kv: None,
                 lmcache: None,
+                placed: 0.0,
             })
             .collect()
     }
@@ -341,6 +344,7 @@ mod tests {
             score: None,
             hint: None,
             conversation: None,
+            new_work: false,
         }
     }
 

@@ -42,6 +42,12 @@
 //!    than that target, even if the home must prefill the group's prefix first. A new
 //!    group's expected home (`GroupHome::Expected`) counts only while no target holds
 //!    the prompt.
+//! 8. Bounded share (`share_bound`): new work (its group's home included) skips a target
+//!    already given more than `share_bound` × the mean of the new work recently placed
+//!    on each eligible target (`Choice::placed`; never below the least-given target's
+//!    count + [`SHARE_SLACK`]), going to the cheapest target within the bound even if it
+//!    must prefill the prefix: conversations bring their later turns, so evening out the
+//!    new ones evens out the requests each target serves.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
@@ -64,6 +70,13 @@ pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 /// Default of `load_bound`: new work goes only to targets that, with it, stay within this
 /// multiple of the fleet's mean load (bounded-load placement); 0 turns the bound off.
 pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
+/// Default of `share_bound`: new work skips targets already given more than this multiple
+/// of the mean share of the route's recent new work. Chosen by measurement like
+/// [`DEFAULT_LOAD_COST_TOKENS`] (at 1.2, 16 replicas end at 1.21 × the mean request count).
+pub const DEFAULT_SHARE_BOUND: f64 = 1.15;
+/// New work beyond the least-given target's recent count that any target may take before
+/// `share_bound` applies: at low traffic a few conversations are no imbalance.
+pub const SHARE_SLACK: f64 = 4.0;
 /// Default of `group_homes`.
 pub const DEFAULT_GROUP_HOMES: bool = true;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
@@ -95,6 +108,9 @@ pub struct PlacementRule {
     /// Send a new conversation to its group's home (`Ask::group_home`) when the home has
     /// no more in flight than the target the cost rule picked.
     pub group_homes: bool,
+    /// Bound on a target's share of recent new work: new work skips a target already given
+    /// more than this multiple of the mean while another is within it. 0 = no bound.
+    pub share_bound: f64,
 }
 
 impl Default for PlacementRule {
@@ -106,6 +122,7 @@ impl Default for PlacementRule {
             balance_rel: DEFAULT_BALANCE_REL,
             load_bound: DEFAULT_LOAD_BOUND,
             group_homes: DEFAULT_GROUP_HOMES,
+            share_bound: DEFAULT_SHARE_BOUND,
         }
     }
 }
@@ -165,6 +182,9 @@ pub struct Choice<'a> {
     /// caller knows (0 when unknown): a target with that much room holds little enough
     /// that a new home there evicts nothing another group needs.
     pub room_tokens: f64,
+    /// New work placed on the target recently (`fleet::recent`): conversations it was given,
+    /// which bring their later turns with them.
+    pub placed: f64,
 }
 
 /// The request as the rule sees it.
@@ -203,6 +223,8 @@ pub struct Placed {
     pub reason: Reason,
     /// Fraction of the prompt the chosen target holds (0 below the threshold).
     pub score: f64,
+    /// Placed as new work (no target held the conversation's history).
+    pub new_work: bool,
 }
 
 impl PlacementRule {
@@ -239,6 +261,7 @@ impl PlacementRule {
                     .find(|c| Some(c.index) == ask.previous)
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
+        let new_work = home.is_none();
         let (mut pick, margin, went_home) = match home {
             Some(home) => (home, self.balance_abs.saturating_mul(2), false),
             None => {
@@ -270,9 +293,23 @@ impl PlacementRule {
                         h.inflight <= pick.inflight
                             && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
                     });
-                match group_home {
-                    Some(h) => (h, self.balance_abs, true),
-                    None => (pick, self.balance_abs, false),
+                let (pick, went_home) = match group_home {
+                    Some(h) => (h, true),
+                    None => (pick, false),
+                };
+                // Bounded share: a target given more than its share of the recent new work
+                // takes no more while another within the bound can take it, even where the
+                // group's prefix must be prefilled first: otherwise a group's homes take its
+                // conversations as they come, and the busiest group's homes stay busiest
+                // (the bound then opens another home for that group).
+                let share_cap = self.share_cap(choices);
+                let within = |c: &&Choice| c.placed <= share_cap;
+                let other = (pick.placed > share_cap)
+                    .then(|| self.cheapest(ask, choices.iter().filter(within), &cost, &counted))
+                    .flatten();
+                match other {
+                    Some(other) => (other, self.balance_abs, false),
+                    None => (pick, self.balance_abs, went_home),
                 }
             }
         };
@@ -301,6 +338,7 @@ impl PlacementRule {
             index: pick.index,
             reason,
             score: counted(pick) / tokens,
+            new_work,
         })
     }
 
@@ -328,6 +366,21 @@ impl PlacementRule {
         let mean = (total + 1) as f64 / choices.len().max(1) as f64;
         let cap = (self.load_bound * mean).ceil() as u64;
         cap.max(q_min + 2)
+    }
+
+    /// Most new work a target may have been given recently and still take more:
+    /// `share_bound` × the eligible targets' mean, and never below the least-given target's
+    /// count plus [`SHARE_SLACK`]. Infinite when the bound is off.
+    pub fn share_cap(&self, choices: &[Choice]) -> f64 {
+        if self.share_bound <= 0.0 || choices.is_empty() {
+            return f64::INFINITY;
+        }
+        let total: f64 = choices.iter().map(|c| c.placed).sum();
+        let least = choices
+            .iter()
+            .map(|c| c.placed)
+            .fold(f64::INFINITY, f64::min);
+        (self.share_bound * total / choices.len() as f64).max(least + SHARE_SLACK)
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -413,6 +466,7 @@ mod tests {
                 cached_tokens,
                 label: LABELS[i],
                 room_tokens: 0.0,
+                placed: 0.0,
             })
             .collect()
     }
@@ -619,6 +673,89 @@ mod tests {
         );
         let p = rule.place(&ask(5100.0, 2000.0, 5), &c).unwrap();
         assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+    }
+
+    fn with_placed(mut c: Vec<Choice<'static>>, placed: &[f64]) -> Vec<Choice<'static>> {
+        for (c, &p) in c.iter_mut().zip(placed) {
+            c.placed = p;
+        }
+        c
+    }
+
+    #[test]
+    fn a_target_given_more_than_its_share_of_new_work_takes_no_more() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // 0 holds the group's prompt and is its home. New work given so far: mean 12.5,
+        // so a target may have been given 1.15 × 12.5 = 14.4 and still take more.
+        let cached = [2000.0, 0.0, 0.0, 0.0];
+        let mut a = ask(2060.0, 2000.0, 9);
+        a.group_home = Some(GroupHome::Known(0));
+        let within = with_placed(choices(&[0, 0, 0, 0], &cached), &[14.0, 12.0, 12.0, 12.0]);
+        let p = rule.place(&a, &within).unwrap();
+        assert_eq!((p.index, p.reason, p.new_work), (0, Reason::CacheHit, true));
+        // Past it, the new conversation opens a home elsewhere though it must prefill the
+        // group's prompt there: the cheapest target within the bound (the least loaded).
+        let past = with_placed(choices(&[0, 2, 0, 2], &cached), &[20.0, 10.0, 10.0, 10.0]);
+        for key in 0..50 {
+            let mut a = ask(2060.0, 2000.0, key);
+            a.group_home = Some(GroupHome::Known(0));
+            let p = rule.place(&a, &past).unwrap();
+            assert_eq!((p.index, p.reason), (2, Reason::Overloaded), "key {key}");
+        }
+        // A second home that holds the prompt takes it without a prefill.
+        let second = with_placed(
+            choices(&[0, 2, 0, 2], &[2000.0, 2000.0, 0.0, 0.0]),
+            &[20.0, 10.0, 10.0, 10.0],
+        );
+        let p = rule.place(&a, &second).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
+        // No bound (0): home, whatever it was given.
+        let off = PlacementRule {
+            share_bound: 0.0,
+            ..rule
+        };
+        assert_eq!(off.place(&a, &past).unwrap().index, 0);
+    }
+
+    #[test]
+    fn the_share_bound_waits_for_a_few_conversations_of_difference() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // At low traffic the mean is tiny: 0 may take SHARE_SLACK more than the least
+        // given before the bound moves anything.
+        let cached = [2000.0, 0.0, 0.0, 0.0];
+        let a = ask(2060.0, 2000.0, 4);
+        let slack = SHARE_SLACK;
+        let at = with_placed(choices(&[0, 0, 0, 0], &cached), &[slack, 0.0, 0.0, 0.0]);
+        assert_eq!(rule.place(&a, &at).unwrap().index, 0);
+        let past = with_placed(
+            choices(&[0, 0, 0, 0], &cached),
+            &[slack + 1.0, 0.0, 0.0, 0.0],
+        );
+        assert_ne!(rule.place(&a, &past).unwrap().index, 0);
+    }
+
+    #[test]
+    fn the_share_bound_never_moves_a_conversation_off_its_history() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // 0 holds this conversation's history and was given far more than its share.
+        let c = with_placed(
+            choices(&[0, 0, 0, 0], &[5000.0, 2000.0, 0.0, 0.0]),
+            &[40.0, 10.0, 10.0, 10.0],
+        );
+        let p = rule.place(&ask(5100.0, 2000.0, 5), &c).unwrap();
+        assert_eq!(
+            (p.index, p.reason, p.new_work),
+            (0, Reason::CacheHit, false)
+        );
     }
 
     #[test]

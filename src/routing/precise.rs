@@ -126,6 +126,7 @@ impl Strategy for PreciseCacheAware {
                 score: None,
                 hint: None,
                 conversation: None,
+                new_work: false,
             });
         };
         let choices: Vec<Choice> = held_tokens(tokens, fleet, input.now_ms)
@@ -135,6 +136,7 @@ impl Strategy for PreciseCacheAware {
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
                 room_tokens: 0.0,
+                placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
             })
             .collect();
@@ -160,6 +162,7 @@ impl Strategy for PreciseCacheAware {
             score: Some(placed.score),
             hint: None,
             conversation: Some(keys.conversation),
+            new_work: placed.new_work,
         })
     }
 
@@ -246,6 +249,7 @@ mod tests {
                     pending: None,
                 }),
                 lmcache: None,
+                placed: 0.0,
             })
             .collect()
     }
@@ -346,6 +350,7 @@ mod tests {
                         pending: Some(&pending[i]),
                     }),
                     lmcache: None,
+                    placed: 0.0,
                 })
                 .collect();
             let view = FleetView::new(&c);

@@ -100,6 +100,7 @@ impl Strategy for Pinned {
                 score: None,
                 hint: None,
                 conversation: None,
+                new_work: false,
             })
     }
 }

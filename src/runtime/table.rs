@@ -110,6 +110,7 @@ impl Route {
                     pending: Some(&kv.pending),
                 }),
                 lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
+                placed: t.state.placed.estimate(now_ms),
             })
             .collect()
     }

@@ -150,6 +150,27 @@ fn a_reload_sets_each_trie_cap_from_the_provider_cache_size() {
 /// Regression: checks switched off for a provider the probes had marked down left
 /// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
 #[test]
+fn the_new_work_a_target_was_given_reaches_the_strategy_and_survives_a_reload() {
+    let (dir, path) = routes_file("placed", &routes(&["a", "b"], "cache_aware", None));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let a = rt.registry().get_or_create(&key("a"));
+    let now = std::time::Instant::now();
+    let now_ms = crate::fleet::ms_at(now);
+    for _ in 0..3 {
+        a.placed.note(now_ms);
+    }
+    let placed = |rt: &Runtime| -> Vec<f64> {
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        route.candidates(now).iter().map(|c| c.placed).collect()
+    };
+    assert_eq!(placed(&rt), [3.0, 0.0]);
+    rt.reload().unwrap();
+    assert_eq!(placed(&rt), [3.0, 0.0]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn switching_health_checks_off_makes_a_down_provider_eligible_again() {
     let text = routes(&["hoff"], "round_robin", None);
     let (dir, path) = routes_file("health", &text);
