@@ -4,8 +4,9 @@
 //! conversation placed now brings its later turns for a while, so the share of new work
 //! given out is what evens out the requests a replica serves over minutes.
 //!
-//! Owns one packed atomic word per target: the current window's number (16 bits, wrapping),
-//! the previous window's count and the current one's (24 bits each, saturating). The
+//! Owns one packed atomic word per event kind and target: the current window's number (24
+//! bits, wrapping after five years), the previous window's count and the current one's (20
+//! bits each, saturating at a million per window). The
 //! estimate is the sliding-window approximation rate limiters use: the current window's
 //! count plus the previous one's, weighted by how much of it the sliding window still
 //! covers. Time is passed in (ms on the process's monotonic clock); no clocks, no locks.
@@ -15,7 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 /// Length of the window the share is counted over.
 pub const WINDOW_MS: u64 = 10_000;
 
-const COUNT_BITS: u32 = 24;
+const COUNT_BITS: u32 = 20;
+/// Windows a note may be stamped late (its clock read before another thread's note moved
+/// the word on) and still count: a request's time is read once, before its retries.
+const LATE_WINDOWS: u32 = 16;
+const WINDOW_MASK: u32 = (1 << 24) - 1;
 const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
 
 /// Events on one target, recently.
@@ -23,31 +28,32 @@ const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
 pub struct RecentCount(AtomicU64);
 
 /// (window number, previous window's count, current window's count).
-fn unpack(word: u64) -> (u16, u64, u64) {
+fn unpack(word: u64) -> (u32, u64, u64) {
     (
-        (word >> (2 * COUNT_BITS)) as u16,
+        (word >> (2 * COUNT_BITS)) as u32 & WINDOW_MASK,
         (word >> COUNT_BITS) & COUNT_MAX,
         word & COUNT_MAX,
     )
 }
 
-fn pack(window: u16, previous: u64, current: u64) -> u64 {
+fn pack(window: u32, previous: u64, current: u64) -> u64 {
     (u64::from(window) << (2 * COUNT_BITS)) | (previous << COUNT_BITS) | current
 }
 
-/// The counts as of window `now` for a word last written in window `then`. A `now` before
-/// `then` (another thread read the clock later and wrote first) keeps the counts.
-fn roll(then: u16, previous: u64, current: u64, now: u16) -> (u16, u64, u64) {
-    match now.wrapping_sub(then) {
+/// The counts as of window `now` for a word last written in window `then`. A `now` at most
+/// [`LATE_WINDOWS`] before `then` (another thread read the clock later and wrote first)
+/// keeps the counts; any other gap is time passing.
+fn roll(then: u32, previous: u64, current: u64, now: u32) -> (u32, u64, u64) {
+    match now.wrapping_sub(then) & WINDOW_MASK {
         0 => (then, previous, current),
         1 => (now, current, 0),
-        d if d < 0x8000 => (now, 0, 0),
-        _ => (then, previous, current),
+        d if d >= WINDOW_MASK + 1 - LATE_WINDOWS => (then, previous, current),
+        _ => (now, 0, 0),
     }
 }
 
-fn window_of(now_ms: u64) -> u16 {
-    (now_ms / WINDOW_MS) as u16
+fn window_of(now_ms: u64) -> u32 {
+    (now_ms / WINDOW_MS) as u32 & WINDOW_MASK
 }
 
 impl RecentCount {
@@ -105,9 +111,26 @@ mod tests {
     }
 
     #[test]
+    fn counts_from_long_ago_are_gone_however_long_ago() {
+        for windows in [
+            2,
+            1000,
+            40_000,
+            1 << 23,
+            (1 << 24) - LATE_WINDOWS as u64 - 1,
+        ] {
+            let r = RecentCount::default();
+            r.note(0);
+            assert_eq!(r.estimate(windows * WINDOW_MS), 0.0, "{windows} windows on");
+            r.note(windows * WINDOW_MS);
+            assert_eq!(r.estimate(windows * WINDOW_MS), 1.0, "{windows} windows on");
+        }
+    }
+
+    #[test]
     fn the_window_number_wraps_without_losing_or_inventing_requests() {
         let r = RecentCount::default();
-        let last = u64::from(u16::MAX) * WINDOW_MS;
+        let last = u64::from(WINDOW_MASK) * WINDOW_MS;
         r.note(last);
         r.note(last + WINDOW_MS);
         assert_eq!(r.estimate(last + WINDOW_MS), 2.0);

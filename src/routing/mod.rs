@@ -131,11 +131,14 @@ pub enum Reason {
     /// A new conversation sent to the home every gateway names for its prefix group,
     /// though another target holds more of the prompt (see `group_homes`).
     GroupHome,
+    /// New work moved off a target already given more than its share of the recent new
+    /// work (`share_bound`, see `placement`).
+    ShareBound,
 }
 
 impl Reason {
     /// Every reason, each at the index `reason as usize`.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::RoundRobin,
         Reason::LeastLoad,
         Reason::CacheHit,
@@ -146,6 +149,7 @@ impl Reason {
         Reason::Scored,
         Reason::CacheCapacity,
         Reason::GroupHome,
+        Reason::ShareBound,
     ];
 
     /// Stable label value for metrics and logs.
@@ -161,6 +165,7 @@ impl Reason {
             Reason::Scored => "scored",
             Reason::CacheCapacity => "cache_capacity",
             Reason::GroupHome => "group_home",
+            Reason::ShareBound => "share_bound",
         }
     }
 }
@@ -335,7 +340,8 @@ mod tests {
             | Reason::Affinity
             | Reason::Scored
             | Reason::CacheCapacity
-            | Reason::GroupHome => Reason::ALL.contains(&r),
+            | Reason::GroupHome
+            | Reason::ShareBound => Reason::ALL.contains(&r),
         };
         assert!(Reason::ALL.iter().all(|&r| listed(r)));
         let mut labels = std::collections::HashSet::new();

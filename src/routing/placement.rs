@@ -3,8 +3,9 @@
 //! history is, and place what is new the same way on every gateway.
 //!
 //! Owns the cost model, the overload guard and deterministic tie-breaking. It sees each
-//! eligible target only as (in flight, tokens of the prompt it holds, label): where the
-//! cached length comes from (a prefix trie, a KV residency index) is the caller's job.
+//! eligible target only as [`Choice`] (in flight, tokens of the prompt it holds, room left
+//! in its cache, new work recently given to it, label): where those come from (a prefix
+//! trie, a KV residency index, the fleet's counters) is the caller's job.
 //! No I/O, no clocks, no randomness.
 //!
 //! The rule, for a prompt of `P` tokens over eligible targets `t` (load `q_t`, the fewest
@@ -71,7 +72,7 @@ pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 /// multiple of the fleet's mean load (bounded-load placement); 0 turns the bound off.
 pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
 /// Default of `share_bound`: new work skips targets already given more than this multiple
-/// of the mean share of the route's recent new work. Chosen by measurement like
+/// of the eligible targets' mean of recent new work. Chosen by measurement like
 /// [`DEFAULT_LOAD_COST_TOKENS`] (at 1.2, 16 replicas end at 1.21 × the mean request count).
 pub const DEFAULT_SHARE_BOUND: f64 = 1.15;
 /// New work beyond the least-given target's recent count that any target may take before
@@ -262,8 +263,11 @@ impl PlacementRule {
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
         let new_work = home.is_none();
-        let (mut pick, margin, went_home) = match home {
-            Some(home) => (home, self.balance_abs.saturating_mul(2), false),
+        let share_cap = self.share_cap(choices);
+        let within = |c: &&Choice| c.placed <= share_cap;
+        // `moved`: the rule that moved new work off the cost rule's pick, if one did.
+        let (mut pick, margin, moved) = match home {
+            Some(home) => (home, self.balance_abs.saturating_mul(2), None),
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
                 // that take it cheaply (they hold its prefix, or their cache stays at most
@@ -301,35 +305,48 @@ impl PlacementRule {
                 // takes no more while another within the bound can take it, even where the
                 // group's prefix must be prefilled first: otherwise a group's homes take its
                 // conversations as they come, and the busiest group's homes stay busiest
-                // (the bound then opens another home for that group).
-                let share_cap = self.share_cap(choices);
-                let within = |c: &&Choice| c.placed <= share_cap;
+                // (the bound then opens another home for that group). Among those within
+                // it, the load bound's choice first.
                 let other = (pick.placed > share_cap)
-                    .then(|| self.cheapest(ask, choices.iter().filter(within), &cost, &counted))
+                    .then(|| {
+                        let both = |c: &&Choice| within(c) && takes(c);
+                        if choices.iter().any(|c| both(&c)) {
+                            self.cheapest(ask, choices.iter().filter(both), &cost, &counted)
+                        } else {
+                            self.cheapest(ask, choices.iter().filter(within), &cost, &counted)
+                        }
+                    })
                     .flatten();
                 match other {
-                    Some(other) => (other, self.balance_abs, false),
-                    None => (pick, self.balance_abs, went_home),
+                    Some(other) => (other, self.balance_abs, Some(Reason::ShareBound)),
+                    None => (
+                        pick,
+                        self.balance_abs,
+                        went_home.then_some(Reason::GroupHome),
+                    ),
                 }
             }
         };
-        let mut reason = if best_cached == 0.0 {
+        let mut reason = if let Some(Reason::ShareBound) = moved {
+            Reason::ShareBound
+        } else if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
             Reason::CacheHit
-        } else if went_home {
-            Reason::GroupHome
+        } else if let Some(why) = moved {
+            why
         } else {
             Reason::Overloaded
         };
         if self.overloaded(pick.inflight, q_min, margin) {
-            let light = q_min + self.balance_abs / 2;
-            pick = self.cheapest(
-                ask,
-                choices.iter().filter(|c| c.inflight <= light),
-                &cost,
-                &counted,
-            )?;
+            // What the guard moves lands as new work: within the share bound too, if it can.
+            let light = |c: &&Choice| c.inflight <= q_min + self.balance_abs / 2;
+            let both = |c: &&Choice| light(c) && within(c);
+            pick = if choices.iter().any(|c| both(&c)) {
+                self.cheapest(ask, choices.iter().filter(both), &cost, &counted)?
+            } else {
+                self.cheapest(ask, choices.iter().filter(light), &cost, &counted)?
+            };
             if best_cached > 0.0 {
                 reason = Reason::Overloaded;
             }
@@ -688,36 +705,61 @@ mod tests {
             share_bound: 1.15,
             ..rule()
         };
-        // 0 holds the group's prompt and is its home. New work given so far: mean 12.5,
-        // so a target may have been given 1.15 × 12.5 = 14.4 and still take more.
+        // 0 holds the group's prompt and is its home. New work given so far: mean 32.5, so
+        // a target may have been given 1.15 × 32.5 = 37.4 and still take more.
         let cached = [2000.0, 0.0, 0.0, 0.0];
         let mut a = ask(2060.0, 2000.0, 9);
         a.group_home = Some(GroupHome::Known(0));
-        let within = with_placed(choices(&[0, 0, 0, 0], &cached), &[14.0, 12.0, 12.0, 12.0]);
+        let within = with_placed(choices(&[0, 0, 0, 0], &cached), &[37.0, 31.0, 31.0, 31.0]);
         let p = rule.place(&a, &within).unwrap();
         assert_eq!((p.index, p.reason, p.new_work), (0, Reason::CacheHit, true));
         // Past it, the new conversation opens a home elsewhere though it must prefill the
         // group's prompt there: the cheapest target within the bound (the least loaded).
-        let past = with_placed(choices(&[0, 2, 0, 2], &cached), &[20.0, 10.0, 10.0, 10.0]);
+        let given = [40.0, 30.0, 30.0, 30.0];
+        let past = with_placed(choices(&[0, 2, 0, 2], &cached), &given);
         for key in 0..50 {
             let mut a = ask(2060.0, 2000.0, key);
             a.group_home = Some(GroupHome::Known(0));
             let p = rule.place(&a, &past).unwrap();
-            assert_eq!((p.index, p.reason), (2, Reason::Overloaded), "key {key}");
+            assert_eq!((p.index, p.reason), (2, Reason::ShareBound), "key {key}");
         }
         // A second home that holds the prompt takes it without a prefill.
-        let second = with_placed(
-            choices(&[0, 2, 0, 2], &[2000.0, 2000.0, 0.0, 0.0]),
-            &[20.0, 10.0, 10.0, 10.0],
-        );
+        let second = with_placed(choices(&[0, 2, 0, 2], &[2000.0, 2000.0, 0.0, 0.0]), &given);
         let p = rule.place(&a, &second).unwrap();
-        assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
+        assert_eq!((p.index, p.reason), (1, Reason::ShareBound));
         // No bound (0): home, whatever it was given.
         let off = PlacementRule {
             share_bound: 0.0,
             ..rule
         };
         assert_eq!(off.place(&a, &past).unwrap().index, 0);
+    }
+
+    #[test]
+    fn the_overload_guard_moves_new_work_within_the_share_bound() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            load_bound: 0.0,
+            ..rule()
+        };
+        // Nobody holds the prompt; 1 and 2 are idle, 0 and 3 busy. 2 was given far more new
+        // work than its share: the pick is 1 whatever the key.
+        let c = with_placed(choices(&[9, 0, 0, 9], &[0.0; 4]), &[10.0, 10.0, 40.0, 10.0]);
+        for key in 0..50 {
+            let p = rule.place(&ask(500.0, 400.0, key), &c).unwrap();
+            assert_eq!(p.index, 1, "key {key}");
+        }
+        // A conversation's own target (0 holds its history) past the overload guard moves
+        // to a light target within the bound, not to the over-share one.
+        let c = with_placed(
+            choices(&[20, 0, 0, 9], &[5000.0, 2000.0, 2000.0, 0.0]),
+            &[10.0, 40.0, 10.0, 10.0],
+        );
+        for key in 0..50 {
+            let p = rule.place(&ask(5100.0, 2000.0, key), &c).unwrap();
+            let got = (p.index, p.reason, p.new_work);
+            assert_eq!(got, (2, Reason::Overloaded, false), "key {key}");
+        }
     }
 
     #[test]

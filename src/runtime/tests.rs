@@ -147,8 +147,6 @@ fn a_reload_sets_each_trie_cap_from_the_provider_cache_size() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Regression: checks switched off for a provider the probes had marked down left
-/// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
 #[test]
 fn the_new_work_a_target_was_given_reaches_the_strategy_and_survives_a_reload() {
     let (dir, path) = routes_file("placed", &routes(&["a", "b"], "cache_aware", None));
@@ -170,6 +168,8 @@ fn the_new_work_a_target_was_given_reaches_the_strategy_and_survives_a_reload() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Regression: checks switched off for a provider the probes had marked down left
+/// it ineligible forever (nothing probed it back up): no eligible target, /ready 503.
 #[test]
 fn switching_health_checks_off_makes_a_down_provider_eligible_again() {
     let text = routes(&["hoff"], "round_robin", None);
