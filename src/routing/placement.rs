@@ -47,7 +47,8 @@
 //!    already given more than `share_bound` × the mean of the new work recently placed
 //!    on each eligible target (`Choice::placed`; never below the least-given target's
 //!    count + [`SHARE_SLACK`]), going to the cheapest target within the bound even if it
-//!    must prefill the prefix: conversations bring their later turns, so evening out the
+//!    must prefill the prefix, when its cache holds twice the prompt
+//!    (`Choice::cache_tokens`): conversations bring their later turns, so evening out the
 //!    new ones evens out the requests each target serves.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
@@ -183,6 +184,8 @@ pub struct Choice<'a> {
     /// caller knows (0 when unknown): a target with that much room holds little enough
     /// that a new home there evicts nothing another group needs.
     pub room_tokens: f64,
+    /// Tokens the target's cache holds in all, as far as the caller knows (0 when unknown).
+    pub cache_tokens: f64,
     /// New work placed on the target recently (`fleet::recent`): conversations it was given,
     /// which bring their later turns with them.
     pub placed: f64,
@@ -305,11 +308,14 @@ impl PlacementRule {
                 // takes no more while another within the bound can take it, even where the
                 // group's prefix must be prefilled first: otherwise a group's homes take its
                 // conversations as they come, and the busiest group's homes stay busiest
-                // (the bound then opens another home for that group). The cost rule weighs
-                // their loads; preferring those within `load_bound` lost hit rate under
-                // cache pressure.
+                // (the bound then opens another home for that group). Only on a target
+                // whose cache holds the prompt beside another of its size: where one system
+                // prompt fills half a cache, a second home evicts the group living there.
+                // The cost rule weighs their loads; preferring those within `load_bound`
+                // lost hit rate under cache pressure.
+                let hosts = |c: &&Choice| within(c) && self.can_host(c, tokens, &counted);
                 let other = (pick.placed > share_cap)
-                    .then(|| self.cheapest(ask, choices.iter().filter(within), &cost, &counted))
+                    .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
                     .flatten();
                 match other {
                     Some(other) => (other, self.balance_abs, Some(Reason::ShareBound)),
@@ -376,6 +382,13 @@ impl PlacementRule {
         let mean = (total + 1) as f64 / choices.len().max(1) as f64;
         let cap = (self.load_bound * mean).ceil() as u64;
         cap.max(q_min + 2)
+    }
+
+    /// Whether `c` can take a prompt of `tokens` as new work past another target's share: it
+    /// holds the prompt's prefix, or its cache (if known) holds the prompt twice (the group
+    /// living there and this one).
+    fn can_host(&self, c: &Choice, tokens: f64, counted: &impl Fn(&Choice) -> f64) -> bool {
+        counted(c) > 0.0 || c.cache_tokens <= 0.0 || c.cache_tokens >= 2.0 * tokens
     }
 
     /// Most new work a target may have been given recently and still take more:
@@ -476,6 +489,7 @@ mod tests {
                 cached_tokens,
                 label: LABELS[i],
                 room_tokens: 0.0,
+                cache_tokens: 0.0,
                 placed: 0.0,
             })
             .collect()
@@ -748,6 +762,30 @@ mod tests {
             ..rule
         };
         assert!((0..50).any(|key| off.place(&ask(500.0, 400.0, key), &c).unwrap().index == 2));
+    }
+
+    #[test]
+    fn the_share_bound_opens_no_home_where_the_cache_cannot_hold_two_prompts() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // 0 is the group's home and past its share; the others hold other groups. With
+        // caches of 3,000 tokens a second 2,060-token prompt would evict the group living
+        // there: the prompt stays home. With 8,000 it spills.
+        let given = [40.0, 30.0, 30.0, 30.0];
+        let cached = [2000.0, 0.0, 0.0, 0.0];
+        let with_cache = |tokens: f64| {
+            let mut c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
+            c.iter_mut().for_each(|c| c.cache_tokens = tokens);
+            c
+        };
+        for key in 0..50 {
+            let a = ask(2060.0, 2000.0, key);
+            assert_eq!(rule.place(&a, &with_cache(3000.0)).unwrap().index, 0);
+            let p = rule.place(&a, &with_cache(8000.0)).unwrap();
+            assert_eq!(p.reason, Reason::ShareBound, "key {key}");
+        }
     }
 
     #[test]

@@ -136,6 +136,7 @@ impl Strategy for PreciseCacheAware {
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
                 room_tokens: 0.0,
+                cache_tokens: 0.0,
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
             })
