@@ -460,7 +460,8 @@ pub struct RouteConfig {
     #[serde(default = "default_load_bound")]
     pub load_bound: f64,
     /// New work skips targets already given more than this multiple of the mean share of
-    /// the recent new work while another is within it; 0 = no bound (cache_aware,
+    /// the recent new work while another within it can take it (it holds the prompt's
+    /// prefix, or its cache holds the prompt twice); 0 = no bound (cache_aware,
     /// precise_cache_aware).
     #[serde(default = "default_share_bound")]
     pub share_bound: f64,

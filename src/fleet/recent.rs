@@ -4,12 +4,12 @@
 //! conversation placed now brings its later turns for a while, so the share of new work
 //! given out is what evens out the requests a replica serves over minutes.
 //!
-//! Owns one packed atomic word per event kind and target: the current window's number (24
-//! bits, wrapping after five years), the previous window's count and the current one's (20
-//! bits each, saturating at a million per window). The
-//! estimate is the sliding-window approximation rate limiters use: the current window's
-//! count plus the previous one's, weighted by how much of it the sliding window still
-//! covers. Time is passed in (ms on the process's monotonic clock); no clocks, no locks.
+//! Owns one packed atomic word per counter: the current window's number (24 bits, wrapping
+//! after five years), the previous window's count and the current one's (20 bits each,
+//! saturating at a million per window). The estimate is the sliding-window approximation
+//! rate limiters use: the current window's count plus the previous one's, weighted by how
+//! much of it the sliding window still covers. Time is passed in (ms on the process's
+//! monotonic clock); no clocks, no locks.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 

@@ -73,8 +73,8 @@ pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 /// multiple of the fleet's mean load (bounded-load placement); 0 turns the bound off.
 pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
 /// Default of `share_bound`: new work skips targets already given more than this multiple
-/// of the eligible targets' mean of recent new work. Chosen by measurement like
-/// [`DEFAULT_LOAD_COST_TOKENS`] (at 1.2, 16 replicas end at 1.21 × the mean request count).
+/// of the eligible targets' mean of recent new work. Chosen by measurement over the
+/// loadtest workloads (docs/routing.md, "Bounded share of new work").
 pub const DEFAULT_SHARE_BOUND: f64 = 1.15;
 /// New work beyond the least-given target's recent count that any target may take before
 /// `share_bound` applies: at low traffic a few conversations are no imbalance.
@@ -266,8 +266,6 @@ impl PlacementRule {
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
         let new_work = home.is_none();
-        let share_cap = self.share_cap(choices);
-        let within = |c: &&Choice| c.placed <= share_cap;
         // `moved`: the rule that moved new work off the cost rule's pick, if one did.
         let (mut pick, margin, moved) = match home {
             Some(home) => (home, self.balance_abs.saturating_mul(2), None),
@@ -313,7 +311,9 @@ impl PlacementRule {
                 // prompt fills half a cache, a second home evicts the group living there.
                 // The cost rule weighs their loads; preferring those within `load_bound`
                 // lost hit rate under cache pressure.
-                let hosts = |c: &&Choice| within(c) && self.can_host(c, tokens, &counted);
+                let share_cap = self.share_cap(choices);
+                let hosts =
+                    |c: &&Choice| c.placed <= share_cap && self.can_host(c, tokens, &counted);
                 let other = (pick.placed > share_cap)
                     .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
                     .flatten();
