@@ -195,7 +195,7 @@ async fn routing_file_and_direct_compare() {
             providers[0]
                 .get("kv_cache_tokens")
                 .and_then(|t| t.as_integer()),
-            matches!(strategy, "cache_aware" | "pipeline")
+            matches!(strategy, "cache_aware" | "pipeline" | "precise_cache_aware")
                 .then_some((cfg.cache_blocks * cfg.block_size) as i64)
         );
         if strategy == "precise_cache_aware" {

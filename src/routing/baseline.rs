@@ -78,6 +78,7 @@ mod tests {
             kv: None,
             lmcache: None,
             placed: 0.0,
+            cache_tokens: 0.0,
         }
     }
 

@@ -56,15 +56,6 @@ pub fn room_bytes(trie: &PrefixTrie) -> f64 {
     nodes.min(bytes)
 }
 
-/// Prompt bytes `trie` holds when full by its byte cap (the replica's cache, see
-/// [`trie_bytes_for_kv_cache`]); 0 when it has none.
-pub fn cache_bytes(trie: &PrefixTrie) -> f64 {
-    match trie.max_bytes() {
-        usize::MAX => 0.0,
-        bytes => bytes as f64 * (CHUNK_BYTES / HASH_BYTES) as f64,
-    }
-}
-
 /// `input`'s prompt key: the one the gateway computed, or computed here if it did not.
 pub fn prompt_key_of<'b>(input: &RouteInput<'b>) -> Cow<'b, [u8]> {
     if input.prompt_key.is_empty() && input.prompt.len() >= CHUNK_BYTES {
@@ -189,7 +180,7 @@ impl Strategy for CacheAware {
                     inflight: c.inflight,
                     cached_tokens: score * len / self.bytes_per_token,
                     room_tokens: c.prefix.map_or(0.0, room_bytes) / self.bytes_per_token,
-                    cache_tokens: c.prefix.map_or(0.0, cache_bytes) / self.bytes_per_token,
+                    cache_tokens: c.cache_tokens,
                     placed: c.placed,
                     label: c.label,
                 }
@@ -255,6 +246,7 @@ mod tests {
                 kv: None,
                 lmcache: None,
                 placed: 0.0,
+                cache_tokens: 0.0,
             })
             .collect()
     }
@@ -589,11 +581,6 @@ mod tests {
         // Twice the cache, twice the bytes; never below one chunk.
         assert_eq!(trie_bytes_for_kv_cache(Some(16384), 6.0), 1536 * HASH_BYTES);
         assert_eq!(trie_bytes_for_kv_cache(Some(0), 4.0), HASH_BYTES);
-        // And back: a trie so capped holds the cache's prompt bytes; uncapped, unknown.
-        let t = PrefixTrie::default();
-        assert_eq!(cache_bytes(&t), 0.0);
-        t.set_max_bytes(trie_bytes_for_kv_cache(Some(8192), 6.0));
-        assert_eq!(cache_bytes(&t), 8192.0 * 6.0);
     }
 
     /// A trie sized to its replica's cache forgets the oldest conversations as the replica

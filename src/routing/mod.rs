@@ -63,6 +63,9 @@ pub struct Candidate<'a> {
     /// New work placed on this target in the last `fleet::recent::WINDOW_MS` (estimated),
     /// for the placement rule's `share_bound`.
     pub placed: f64,
+    /// The replica's KV-cache capacity in tokens, as configured (`kv_cache_tokens`; 0 when
+    /// unknown), for the placement rule's `share_bound`.
+    pub cache_tokens: f64,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.

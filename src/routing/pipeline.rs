@@ -246,6 +246,7 @@ mod tests {
                 kv: None,
                 lmcache: None,
                 placed: 0.0,
+                cache_tokens: 0.0,
             })
             .collect()
     }

@@ -136,7 +136,7 @@ impl Strategy for PreciseCacheAware {
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
                 room_tokens: 0.0,
-                cache_tokens: 0.0,
+                cache_tokens: fleet.candidates[i].cache_tokens,
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
             })
@@ -251,6 +251,7 @@ mod tests {
                 }),
                 lmcache: None,
                 placed: 0.0,
+                cache_tokens: 0.0,
             })
             .collect()
     }
@@ -323,6 +324,31 @@ mod tests {
         assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
     }
 
+    /// The share bound moves new work off a target given more than its share only to a
+    /// replica whose cache (as configured) holds the prompt twice, or whose size is unknown.
+    #[test]
+    fn the_share_bound_spills_only_to_a_cache_that_holds_the_prompt_twice() {
+        let shared: Vec<u32> = (0..2000).collect();
+        let mut tokens = shared.clone();
+        tokens.extend(50_000..50_040);
+        let idx = [index_with(&shared, 125), ResidencyIndex::new(100)];
+        let route = |cache_tokens: f64| {
+            let mut c = cands(&idx, &[1, 1], &[true, true]);
+            c[0].placed = 20.0;
+            c[1].cache_tokens = cache_tokens;
+            PreciseCacheAware::default()
+                .select(&input(&tokens), &FleetView::new(&c))
+                .unwrap()
+        };
+        // 3,000 tokens cannot hold a second 2,040-token prompt beside its own group's.
+        let d = route(3_000.0);
+        assert_eq!((d.target, d.new_work), (0, true));
+        let d = route(8_192.0);
+        assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
+        let d = route(0.0);
+        assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
+    }
+
     /// Before any replica has announced a block, a burst of requests sharing a prefix
     /// follows the first one (the pending overlay), until the guard spreads it.
     #[test]
@@ -352,6 +378,7 @@ mod tests {
                     }),
                     lmcache: None,
                     placed: 0.0,
+                    cache_tokens: 0.0,
                 })
                 .collect();
             let view = FleetView::new(&c);

@@ -302,6 +302,7 @@ impl RouteTable {
                             .iter()
                             .find(|e| e.provider == inst.name)
                             .map(|e| e.state.clone()),
+                        kv_cache_tokens: kv_cache_tokens.unwrap_or(0) as f64,
                     });
                 }
             }

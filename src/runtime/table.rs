@@ -42,6 +42,9 @@ pub struct RouteTarget {
     pub lmcache: Option<Arc<LmcacheStatus>>,
     /// The provider's KV-event state, if it has `[providers.kv_events]`.
     pub kv: Option<Arc<KvState>>,
+    /// The replica's KV-cache capacity in tokens (the provider's `kv_cache_tokens`; 0 when
+    /// unset).
+    pub kv_cache_tokens: f64,
 }
 
 /// One `[providers.kv_events]` stream, resolved and egress-checked at load.
@@ -111,6 +114,7 @@ impl Route {
                 }),
                 lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
                 placed: t.state.placed.estimate(now_ms),
+                cache_tokens: t.kv_cache_tokens,
             })
             .collect()
     }

@@ -114,7 +114,7 @@ fn a_reload_keeps_the_state_of_remaining_targets_and_rejects_a_bad_file() {
 /// A provider's `kv_cache_tokens` sets its targets' trie byte cap at every load: set,
 /// changed and removed by reloads, with the node cap from the route each time.
 #[test]
-fn a_reload_sets_each_trie_cap_from_the_provider_cache_size() {
+fn a_reload_sets_each_trie_cap_and_cache_size_from_the_provider() {
     let with_cache = |tokens: Option<u64>| {
         let text = routes(&["a"], "cache_aware", None);
         let text = match tokens {
@@ -135,14 +135,26 @@ fn a_reload_sets_each_trie_cap_from_the_provider_cache_size() {
     let rt = Runtime::load_with(&path, static_ctx()).unwrap();
     let a = rt.registry().get_or_create(&key("a"));
     let cap = |tokens| crate::routing::cache_aware::trie_bytes_for_kv_cache(Some(tokens), 4.0);
+    // The cache size the placement rule sees (`share_bound`), in tokens.
+    let cache_tokens = |rt: &Runtime| -> f64 {
+        let table = rt.table();
+        table
+            .route("alias")
+            .unwrap()
+            .candidates(std::time::Instant::now())[0]
+            .cache_tokens
+    };
     assert_eq!(a.trie.max_bytes(), cap(8192));
     assert_eq!(a.trie.max_nodes(), 5000);
+    assert_eq!(cache_tokens(&rt), 8192.0);
     std::fs::write(&path, with_cache(Some(1024))).unwrap();
     rt.reload().unwrap();
     assert_eq!(a.trie.max_bytes(), cap(1024));
+    assert_eq!(cache_tokens(&rt), 1024.0);
     std::fs::write(&path, with_cache(None)).unwrap();
     rt.reload().unwrap();
     assert_eq!(a.trie.max_bytes(), usize::MAX, "no cache size: no byte cap");
+    assert_eq!(cache_tokens(&rt), 0.0, "no cache size: unknown");
     assert_eq!(a.trie.max_nodes(), 5000);
     let _ = std::fs::remove_dir_all(&dir);
 }

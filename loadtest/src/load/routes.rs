@@ -1,9 +1,10 @@
 //! The routing file `compare` writes for rolter: one provider per simulated replica, one route.
 //!
 //! Owns the TOML text only (no I/O). `precise_cache_aware` gets `[providers.kv_events]`,
-//! `lmcache_aware` gets `[providers.lmcache]` and `cache_aware` and `pipeline` get each
-//! provider's `kv_cache_tokens` (the replica's cache size, which sizes their prefix tries); other
-//! strategies get none of these.
+//! `lmcache_aware` gets `[providers.lmcache]` and `cache_aware`, `pipeline` and
+//! `precise_cache_aware` get each provider's `kv_cache_tokens` (the replica's cache size,
+//! which sizes the prefix tries and the share bound's spill test); other strategies get none
+//! of these.
 
 use std::fmt::Write as _;
 
@@ -39,7 +40,7 @@ pub fn routes_toml_with(
             r.index,
             r.base_url()
         );
-        if strategy == "cache_aware" || strategy == "pipeline" {
+        if matches!(strategy, "cache_aware" | "pipeline" | "precise_cache_aware") {
             // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
             let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
         }
