@@ -42,6 +42,9 @@ const TAG_COMPLETION: u8 = b'P';
 pub mod form;
 pub mod messages;
 pub mod responses;
+mod summary;
+
+pub use summary::PromptSummary;
 
 pub use endpoint::Endpoint;
 mod endpoint;
@@ -497,28 +500,57 @@ impl<'a> RequestBody<'a> {
     /// The prompt bytes (see module docs).
     pub fn prompt(&self) -> Vec<u8> {
         let mut prompt = Vec::with_capacity(self.body_len);
+        self.encode(&mut prompt);
+        prompt
+    }
+
+    /// What routing needs of the prompt bytes, without keeping them: their length, their
+    /// key (when `with_key`) and at most `keep` bytes of each of the first two messages.
+    pub fn summary(&self, keep: usize, with_key: bool) -> PromptSummary {
+        let mut s = summary::Summarizer::new(keep, with_key, self.body_len);
+        self.encode(&mut s);
+        s.finish()
+    }
+
+    fn encode(&self, out: &mut impl Sink) {
         match &self.content {
             BodyContent::Chat(messages) => {
-                prompt.push(TAG_CHAT);
+                out.push(TAG_CHAT);
                 for m in messages {
-                    encode_message(&mut prompt, m);
+                    encode_message(out, m);
                 }
             }
             BodyContent::Completion(p) => {
-                prompt.push(TAG_COMPLETION);
-                encode_completion(&mut prompt, p);
+                out.push(TAG_COMPLETION);
+                encode_completion(out, p);
             }
             BodyContent::Responses(c) => {
-                prompt.push(TAG_CHAT);
-                c.encode(&mut prompt);
+                out.push(TAG_CHAT);
+                c.encode(out);
             }
             BodyContent::Messages(c) => {
-                prompt.push(TAG_CHAT);
-                c.encode(&mut prompt);
+                out.push(TAG_CHAT);
+                c.encode(out);
             }
             BodyContent::None => {}
         }
-        prompt
+    }
+}
+
+/// Where the encoders write prompt bytes: a `Vec` keeps them, a [`summary::Summarizer`]
+/// keeps only what routing needs of them.
+trait Sink {
+    fn push(&mut self, b: u8);
+    fn extend_from_slice(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn push(&mut self, b: u8) {
+        Vec::push(self, b);
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        Vec::extend_from_slice(self, bytes);
     }
 }
 
@@ -609,7 +641,7 @@ pub fn parse_token_ids(header: &[u8]) -> Option<Vec<u32>> {
     Some(ids)
 }
 
-fn encode_message(out: &mut Vec<u8>, m: &Message) {
+fn encode_message(out: &mut impl Sink, m: &Message) {
     push_text(out, &m.role);
     out.push(US);
     encode_content(out, m.content.as_ref(), |kind| kind == "text");
@@ -627,7 +659,7 @@ fn encode_message(out: &mut Vec<u8>, m: &Message) {
 /// A message's content: its text, or its parts joined by GS, where a part whose type
 /// `is_text` accepts contributes its text and any other part is opaque
 /// ([`encode_opaque_part`]).
-fn encode_content(out: &mut Vec<u8>, content: Option<&Content>, is_text: fn(&str) -> bool) {
+fn encode_content(out: &mut impl Sink, content: Option<&Content>, is_text: fn(&str) -> bool) {
     match content {
         None => {}
         Some(Content::Text(t)) => push_text(out, t),
@@ -646,7 +678,7 @@ fn encode_content(out: &mut Vec<u8>, content: Option<&Content>, is_text: fn(&str
 }
 
 /// A non-text part: its type, then a stable hash of its payload's canonical JSON.
-fn encode_opaque_part(out: &mut Vec<u8>, part: &Part) {
+fn encode_opaque_part(out: &mut impl Sink, part: &Part) {
     escape_into(out, part.kind.as_bytes());
     out.push(b':');
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -658,12 +690,12 @@ fn encode_opaque_part(out: &mut Vec<u8>, part: &Part) {
     out.extend_from_slice(format!("{:016x}", h.finish()).as_bytes());
 }
 
-fn encode_completion(out: &mut Vec<u8>, p: &PromptField) {
-    let tokens = |out: &mut Vec<u8>, ids: &[u32]| {
+fn encode_completion(out: &mut impl Sink, p: &PromptField) {
+    fn tokens(out: &mut impl Sink, ids: &[u32]) {
         for id in ids {
             out.extend_from_slice(&id.to_be_bytes());
         }
-    };
+    }
     match p {
         PromptField::Text(t) => push_text(out, t),
         PromptField::Tokens(ids) => tokens(out, ids),
@@ -686,7 +718,7 @@ fn encode_completion(out: &mut Vec<u8>, p: &PromptField) {
 /// sequence in it, and JSON forbids raw control characters in strings (serde_json rejects
 /// them), so it cannot hold a separator byte: it is copied without scanning.
 #[allow(clippy::ptr_arg)] // the variant is the point: borrowed means "had no escapes"
-fn push_text(out: &mut Vec<u8>, text: &Cow<'_, str>) {
+fn push_text(out: &mut impl Sink, text: &Cow<'_, str>) {
     match text {
         Cow::Borrowed(t) => {
             debug_assert!(!t.bytes().any(|b| (ESC..=US).contains(&b)));
@@ -699,8 +731,7 @@ fn push_text(out: &mut Vec<u8>, text: &Cow<'_, str>) {
 /// Append `text`, escaping separator bytes with ESC. Separators are rare in real text,
 /// so find them with SIMD searches and copy the runs between them in bulk (this was the
 /// largest part of prompt extraction under callgrind; see loadtest/profile.sh).
-fn escape_into(out: &mut Vec<u8>, text: &[u8]) {
-    out.reserve(text.len());
+fn escape_into(out: &mut impl Sink, text: &[u8]) {
     let mut rest = text;
     loop {
         let next = match (memchr::memchr3(ESC, GS, RS, rest), memchr::memchr(US, rest)) {

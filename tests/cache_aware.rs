@@ -62,3 +62,43 @@ async fn conversations_stick_to_their_replica_and_spread_across_the_fleet() {
         .unwrap();
     assert!(nodes > 0.0);
 }
+
+/// Bodies from 32 KiB on are summarised as they are encoded instead of kept: a
+/// conversation whose turns cross that length still returns to its replica (both paths
+/// store and look up the same prompt key).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica() {
+    let stubs = [
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    ];
+    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
+    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    for conv in 0..4 {
+        // ~31 KiB of system prompt: the first turn is kept, later turns are summarised.
+        let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(2600));
+        let body = |turns| {
+            let mut b: serde_json::Value =
+                serde_json::from_str(&conversation(&system, conv, turns)).unwrap();
+            for m in b["messages"].as_array_mut().unwrap() {
+                if m["role"] == "assistant" {
+                    m["content"] = format!("{} {}", m["content"], "details ".repeat(150)).into();
+                }
+            }
+            b.to_string()
+        };
+        assert!(body(0).len() < 32 << 10 && body(2).len() > 32 << 10);
+        let (status, first, _) = post_chat(&gw, body(0)).await;
+        assert_eq!(status, 200);
+        for turns in 1..4 {
+            let (status, id, _) = post_chat(&gw, body(turns)).await;
+            assert_eq!(status, 200);
+            assert_eq!(id, first, "conversation {conv} turn {turns} moved");
+        }
+    }
+    // Every later turn was found in the trie, summarised or not.
+    let hits = gw
+        .metric("rolter_routing_decisions_total{reason=\"cache_hit\",strategy=\"cache_aware\"}")
+        .await;
+    assert_eq!(hits, Some(12.0));
+}

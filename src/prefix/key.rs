@@ -56,16 +56,63 @@ fn chunk_hash(chunk: &[u8; CHUNK_BYTES], k: &[u64; 8]) -> u32 {
 
 /// The key of `prompt` (empty for a prompt under `CHUNK_BYTES`).
 pub fn prompt_key(prompt: &[u8]) -> Vec<u8> {
-    let k = secret();
-    let mut key = vec![0u8; key_len(prompt.len())];
-    for (h, c) in key
-        .chunks_exact_mut(HASH_BYTES)
-        .zip(prompt.chunks_exact(CHUNK_BYTES))
-    {
-        let c = c.try_into().expect("a whole chunk");
-        h.copy_from_slice(&chunk_hash(c, k).to_le_bytes());
+    let mut key = KeyBuilder::with_capacity(prompt.len());
+    key.update(prompt);
+    key.finish()
+}
+
+/// A prompt's key computed from its bytes in pieces of any size as they are produced,
+/// without keeping them: [`prompt_key`] of the pieces joined. Pieces that end inside a
+/// chunk leave its bytes in a 64-byte carry until the chunk is whole.
+pub struct KeyBuilder {
+    key: Vec<u8>,
+    carry: [u8; CHUNK_BYTES],
+    carried: usize,
+}
+
+impl KeyBuilder {
+    /// A builder with room for the key of a prompt of `prompt_len` bytes.
+    pub fn with_capacity(prompt_len: usize) -> Self {
+        KeyBuilder {
+            key: Vec::with_capacity(key_len(prompt_len)),
+            carry: [0; CHUNK_BYTES],
+            carried: 0,
+        }
     }
-    key
+
+    /// The next prompt bytes.
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        let k = secret();
+        if self.carried > 0 {
+            let take = (CHUNK_BYTES - self.carried).min(bytes.len());
+            self.carry[self.carried..self.carried + take].copy_from_slice(&bytes[..take]);
+            self.carried += take;
+            bytes = &bytes[take..];
+            if self.carried < CHUNK_BYTES {
+                return;
+            }
+            self.key
+                .extend_from_slice(&chunk_hash(&self.carry, k).to_le_bytes());
+            self.carried = 0;
+        }
+        let start = self.key.len();
+        self.key.resize(start + key_len(bytes.len()), 0);
+        for (h, c) in self.key[start..]
+            .chunks_exact_mut(HASH_BYTES)
+            .zip(bytes.chunks_exact(CHUNK_BYTES))
+        {
+            let c = c.try_into().expect("a whole chunk");
+            h.copy_from_slice(&chunk_hash(c, k).to_le_bytes());
+        }
+        let rest = bytes.chunks_exact(CHUNK_BYTES).remainder();
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.carried = rest.len();
+    }
+
+    /// The key of the bytes given so far (a partial last chunk is not keyed).
+    pub fn finish(self) -> Vec<u8> {
+        self.key
+    }
 }
 
 /// Bytes in the key of a prompt of `prompt_len` bytes.
@@ -94,6 +141,33 @@ pub(crate) mod tests {
                 b'a' + (x % 26) as u8
             })
             .collect()
+    }
+
+    /// A key built from a prompt cut into pieces anywhere is the key of the whole prompt.
+    #[test]
+    fn a_key_built_piece_by_piece_is_the_key_of_the_whole() {
+        let prompt = text(1000, 5);
+        let whole = prompt_key(&prompt);
+        for cuts in [
+            vec![1, 2, 3],
+            vec![63, 64, 65],
+            vec![100, 500],
+            vec![999],
+            vec![0, 0, 1000],
+        ] {
+            let mut b = KeyBuilder::with_capacity(0);
+            let mut at = 0;
+            for &c in &cuts {
+                b.update(&prompt[at..c.max(at)]);
+                at = c.max(at);
+            }
+            b.update(&prompt[at..]);
+            assert_eq!(b.finish(), whole, "{cuts:?}");
+        }
+        // Byte by byte too.
+        let mut b = KeyBuilder::with_capacity(prompt.len());
+        prompt.iter().for_each(|&x| b.update(&[x]));
+        assert_eq!(b.finish(), whole);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! encodes alike, and an extended conversation is a byte-extension of its history.
 //! Must not: touch sockets or routing state.
 
-use super::{encode_content, encode_message, Content, Message, RS, US};
+use super::{encode_content, encode_message, Content, Message, Sink, RS, US};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -36,7 +36,7 @@ impl<'a> Conversation<'a> {
     }
 
     /// Append the prompt bytes (module docs), without the leading tag.
-    pub(super) fn encode(&self, out: &mut Vec<u8>) {
+    pub(super) fn encode(&self, out: &mut impl Sink) {
         if let Some(system) = &self.system {
             out.extend_from_slice(b"system");
             out.push(US);

@@ -16,7 +16,8 @@
 //! Must not: touch sockets or routing state.
 
 use super::{
-    collect_rest, encode_content, push_text, Content, JsonShape, ShapeVisitor, Text, GS, RS, US,
+    collect_rest, encode_content, push_text, Content, JsonShape, ShapeVisitor, Sink, Text, GS, RS,
+    US,
 };
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -101,7 +102,7 @@ impl<'a> Conversation<'a> {
     }
 
     /// Append the prompt bytes (module docs), without the leading tag.
-    pub(super) fn encode(&self, out: &mut Vec<u8>) {
+    pub(super) fn encode(&self, out: &mut impl Sink) {
         if let Some(Text(i)) = &self.instructions {
             out.extend_from_slice(b"system");
             out.push(US);

@@ -38,7 +38,7 @@ use crate::metrics::METRICS;
 use crate::prompt::responses::ResponseIdSniffer;
 use crate::prompt::{self, Endpoint, TOKEN_IDS_HEADER};
 use crate::routing::responses::Pinned;
-use crate::routing::{FleetView, LeastLoad, RouteInput, Strategy};
+use crate::routing::{FleetView, LeastLoad, PromptFacts, RouteInput, Strategy};
 use crate::runtime::{Route, RouteTable, RouteTarget, Runtime};
 use admission::Admission;
 use async_trait::async_trait;
@@ -57,6 +57,10 @@ use upstream::{ExchangeError, Upstream};
 pub const SESSION_ID_HEADER: &str = "x-session-id";
 /// Seconds a client is told to wait when no target is eligible.
 const RETRY_AFTER_SECS: &str = "1";
+/// Bodies from this long on have their prompt summarised as it is encoded rather than
+/// kept (`prompt::PromptSummary`): under callgrind the summary costs 1-3% more
+/// instructions per request for 4-16 KiB bodies and 12-14% less for 128-512 KiB chats.
+const SUMMARISE_FROM_BYTES: usize = 32 << 10;
 
 /// Per-request facts for the access log.
 #[derive(Debug, Default)]
@@ -238,16 +242,26 @@ impl Gateway {
             None if !endpoint.has_prompt() && !keeps_session => &LeastLoad,
             None => &*route.strategy,
         };
-        let prompt = if strategy.uses_prompt() {
+        // A long prompt is summarised as it is encoded (its length, key and placement
+        // keys), never copied whole; a short one is kept, which costs less than hashing
+        // its first messages piece by piece.
+        let keep_prompt = strategy.uses_prompt() && ctx.body_bytes < SUMMARISE_FROM_BYTES;
+        let prompt = if keep_prompt {
             parsed.prompt()
         } else {
             Vec::new()
         };
-        let prompt_key = if strategy.uses_prompt_key() {
+        let kept_key = if keep_prompt && strategy.uses_prompt_key() {
             crate::prefix::prompt_key(&prompt)
         } else {
             Vec::new()
         };
+        let summary = (strategy.uses_prompt() && !keep_prompt).then(|| {
+            parsed.summary(
+                crate::routing::placement::MAX_KEY_BYTES,
+                strategy.uses_prompt_key(),
+            )
+        });
         let model = if parsed.model_is_json {
             ModelRewrite::Json(parsed.model_span.clone())
         } else {
@@ -285,7 +299,8 @@ impl Gateway {
         let request = Prepared {
             input: RouteInput {
                 prompt: &prompt,
-                prompt_key: &prompt_key,
+                prompt_key: summary.as_ref().map_or(&kept_key, |s| &s.key),
+                facts: summary.as_ref().map(PromptFacts::of),
                 token_ids: token_ids.as_deref(),
                 session_id: session_id.as_deref(),
                 now_ms: ms_at(at),

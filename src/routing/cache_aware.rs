@@ -158,7 +158,7 @@ impl Strategy for CacheAware {
     }
 
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
-        if input.prompt.is_empty() {
+        if input.prompt_len() == 0 {
             return fleet.least_loaded().map(|target| Decision {
                 target,
                 reason: Reason::Fallback,
@@ -168,10 +168,10 @@ impl Strategy for CacheAware {
                 new_work: false,
             });
         }
-        let len = input.prompt.len() as f64;
+        let len = input.prompt_len() as f64;
         let key = prompt_key_of(input);
         let mut hints = Vec::with_capacity(fleet.candidates.len());
-        let choices: Vec<Choice> = prefix_scores_hinted(input.prompt.len(), &key, fleet)
+        let choices: Vec<Choice> = prefix_scores_hinted(input.prompt_len(), &key, fleet)
             .map(|(i, score, hint)| {
                 hints.push((i, hint));
                 let c = &fleet.candidates[i];
@@ -186,7 +186,7 @@ impl Strategy for CacheAware {
                 }
             })
             .collect();
-        let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
+        let (keys, first_len) = input.placement();
         let keys = keys.with_session(input.session_id);
         let ask = Ask {
             tokens: len / self.bytes_per_token,

@@ -25,6 +25,7 @@ pub use responses::ResponseAffinity;
 pub use session::SessionTable;
 
 use crate::prefix::PrefixTrie;
+use placement::PlacementKeys;
 
 /// What a strategy may look at in a request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -41,6 +42,47 @@ pub struct RouteInput<'a> {
     pub session_id: Option<&'a str>,
     /// Now, in ms on the process's monotonic clock (session TTLs).
     pub now_ms: u64,
+    /// The prompt's length and placement keys, when the gateway summarised the prompt
+    /// instead of keeping its bytes (`prompt` is then empty; see [`RouteInput::prompt_len`]).
+    pub facts: Option<PromptFacts>,
+}
+
+/// What the strategies read of a prompt besides its key, taken from a
+/// [`crate::prompt::PromptSummary`].
+#[derive(Debug, Clone, Copy)]
+pub struct PromptFacts {
+    /// Prompt bytes.
+    pub len: usize,
+    /// Its placement keys.
+    pub keys: PlacementKeys,
+    /// Bytes of its first message.
+    pub first_len: usize,
+}
+
+impl PromptFacts {
+    /// The facts of `summary` (kept with [`placement::MAX_KEY_BYTES`]).
+    pub fn of(summary: &crate::prompt::PromptSummary) -> Self {
+        PromptFacts {
+            len: summary.len,
+            keys: PlacementKeys::from_hashes(summary.first_hash, summary.second_hash),
+            first_len: summary.first_len,
+        }
+    }
+}
+
+impl RouteInput<'_> {
+    /// Prompt bytes: the summary's count, else the bytes given.
+    pub fn prompt_len(&self) -> usize {
+        self.facts.map_or(self.prompt.len(), |f| f.len)
+    }
+
+    /// The prompt's placement keys and the length of its first message.
+    pub fn placement(&self) -> (PlacementKeys, usize) {
+        match self.facts {
+            Some(f) => (f.keys, f.first_len),
+            None => PlacementKeys::from_prompt(self.prompt),
+        }
+    }
 }
 
 /// A route target as the strategy sees it at decision time.
@@ -254,6 +296,64 @@ pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gateway gives strategies a prompt's summary instead of its bytes: they must
+    /// read the same length, key and placement keys from it, and so decide the same.
+    #[test]
+    fn a_summarised_prompt_routes_as_its_bytes_do() {
+        use crate::prompt::{Endpoint, RequestBody};
+        let system = "You are a careful assistant. ".repeat(300); // past MAX_KEY_BYTES
+        let body = serde_json::json!({"model": "m", "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "question one ".repeat(40)},
+            {"role": "assistant", "content": "answer"},
+            {"role": "user", "content": "next"}]})
+        .to_string();
+        let parsed = RequestBody::parse(Endpoint::Chat, body.as_bytes()).unwrap();
+        let prompt = parsed.prompt();
+        let summary = parsed.summary(placement::MAX_KEY_BYTES, true);
+        let key = crate::prefix::prompt_key(&prompt);
+        assert_eq!(summary.key, key);
+        let facts = PromptFacts::of(&summary);
+        assert_eq!(
+            (facts.keys, facts.first_len),
+            PlacementKeys::from_prompt(&prompt)
+        );
+        assert_eq!(facts.len, prompt.len());
+        // Target 0 holds the prompt's first half, target 1 a third of it.
+        let tries = [PrefixTrie::default(), PrefixTrie::default()];
+        tries[0].insert(&key[..key.len() / 2]);
+        tries[1].insert(&key[..key.len() / 3]);
+        let c: Vec<Candidate> = tries
+            .iter()
+            .zip([2u64, 0])
+            .map(|(t, inflight)| Candidate {
+                inflight,
+                eligible: true,
+                weight: 1,
+                prefix: Some(t),
+                label: "t",
+                ..Default::default()
+            })
+            .collect();
+        let bytes = RouteInput {
+            prompt: &prompt,
+            ..Default::default()
+        };
+        let summarised = RouteInput {
+            prompt_key: &summary.key,
+            facts: Some(facts),
+            ..Default::default()
+        };
+        // A strategy each: a first sighting of the prompt's group is state.
+        let s = || CacheAware::new(placement::PlacementRule::default(), 4.0);
+        let (a, b) = (
+            s().select(&bytes, &FleetView::new(&c)).unwrap(),
+            s().select(&summarised, &FleetView::new(&c)).unwrap(),
+        );
+        assert_eq!((a.target, a.reason, a.score), (b.target, b.reason, b.score));
+        assert_eq!(a.conversation, b.conversation);
+    }
 
     /// The gateway hands an empty prompt to a strategy whose `uses_prompt()` is false, so
     /// such a strategy must decide exactly as it would with the prompt. The fleet makes

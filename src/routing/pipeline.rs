@@ -30,7 +30,7 @@
 //! pinned to the winner.
 
 use super::cache_aware::{prefix_scores, prompt_key_of};
-use super::placement::{rendezvous, PlacementKeys, PlacementRule, CONTINUATION_MIN_TOKENS};
+use super::placement::{rendezvous, PlacementRule, CONTINUATION_MIN_TOKENS};
 use super::session::SessionTable;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 use std::sync::Arc;
@@ -127,14 +127,14 @@ impl Strategy for Pipeline {
                 new_work: false,
             });
         }
-        let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
-        let tokens = (input.prompt.len() as f64 / self.bytes_per_token).max(1.0);
+        let (keys, first_len) = input.placement();
+        let tokens = (input.prompt_len() as f64 / self.bytes_per_token).max(1.0);
         let first_tokens = first_len as f64 / self.bytes_per_token;
         let w = self.weights;
         let lambda = self.guard.load_cost_tokens;
         // (index, counted prefix fraction)
         let key = prompt_key_of(input);
-        let prefixes: Vec<(usize, f64)> = prefix_scores(input.prompt.len(), &key, fleet)
+        let prefixes: Vec<(usize, f64)> = prefix_scores(input.prompt_len(), &key, fleet)
             .map(|(i, prefix)| (i, self.guard.counted(prefix * tokens, tokens) / tokens))
             .collect();
         // The weight key draws from the conversation once some target holds the prompt, and

@@ -146,15 +146,23 @@ impl PlacementKeys {
         let (first, second) = crate::prompt::first_two_message_ends(prompt);
         let first = first.unwrap_or(prompt.len());
         let second = second.unwrap_or(prompt.len());
-        let group = xxh3_64(&prompt[..first.min(MAX_KEY_BYTES)]);
-        // The second message hashed on its own, so a first message longer than the key's
-        // bytes does not make every conversation of a group look alike.
         let second_message = &prompt[first..second.min(first.saturating_add(MAX_KEY_BYTES))];
-        let keys = PlacementKeys {
-            group,
-            conversation: splitmix64(group ^ xxh3_64(second_message)),
-        };
+        let keys = PlacementKeys::from_hashes(
+            xxh3_64(&prompt[..first.min(MAX_KEY_BYTES)]),
+            xxh3_64(second_message),
+        );
         (keys, first)
+    }
+
+    /// Keys from the XXH3-64 hashes of a prompt's first two messages, each cut to
+    /// [`MAX_KEY_BYTES`] (what [`crate::prompt::PromptSummary`] holds). The second message
+    /// is hashed on its own, so a first message longer than the key's bytes does not make
+    /// every conversation of a group look alike.
+    pub fn from_hashes(first: u64, second: u64) -> PlacementKeys {
+        PlacementKeys {
+            group: first,
+            conversation: splitmix64(first ^ second),
+        }
     }
 
     /// These keys with the conversation taken from a client session id.

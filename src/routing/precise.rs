@@ -17,7 +17,7 @@
 //! conversation test come from the prompt bytes, as for `cache_aware`.
 
 use super::cache_aware::{previous_target, remember_target};
-use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
+use super::placement::{Ask, Choice, PlacementRule};
 use super::{Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
 use crate::prefix::PendingBlocks;
@@ -142,11 +142,10 @@ impl Strategy for PreciseCacheAware {
             })
             .collect();
         let n = tokens.len() as f64;
-        let (keys, first_len) = PlacementKeys::from_prompt(input.prompt);
-        let first_message_tokens = if input.prompt.is_empty() {
-            n
-        } else {
-            n * first_len as f64 / input.prompt.len() as f64
+        let (keys, first_len) = input.placement();
+        let first_message_tokens = match input.prompt_len() {
+            0 => n,
+            len => n * first_len as f64 / len as f64,
         };
         let keys = keys.with_session(input.session_id);
         let ask = Ask {
