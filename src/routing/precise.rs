@@ -109,6 +109,19 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
         .collect()
 }
 
+/// Tokens `c`'s replica can take while its cache stays at most half full: half its
+/// configured size less the blocks its trusted stream reports resident; 0 when either is
+/// unknown.
+fn room_tokens(c: &super::Candidate) -> f64 {
+    match c.kv {
+        Some(kv) if kv.trusted && c.cache_tokens > 0.0 => {
+            let held = kv.index.block_count() as f64 * f64::from(block_size_of(&kv));
+            (c.cache_tokens / 2.0 - held).max(0.0)
+        }
+        _ => 0.0,
+    }
+}
+
 impl Strategy for PreciseCacheAware {
     fn name(&self) -> &'static str {
         "precise_cache_aware"
@@ -135,7 +148,7 @@ impl Strategy for PreciseCacheAware {
                 index: i,
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
-                room_tokens: 0.0,
+                room_tokens: room_tokens(&fleet.candidates[i]),
                 cache_tokens: fleet.candidates[i].cache_tokens,
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
@@ -346,6 +359,36 @@ mod tests {
         assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
         let d = route(0.0);
         assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
+    }
+
+    /// A new conversation whose group's holder is past the load bound opens a home on an
+    /// idle replica only when that replica's cache (configured size less what its stream
+    /// reports resident) has room for it.
+    #[test]
+    fn a_new_conversation_past_the_load_bound_opens_a_home_where_the_cache_has_room() {
+        let shared: Vec<u32> = (0..2000).collect();
+        let mut tokens = shared.clone();
+        tokens.extend(50_000..50_040);
+        let other: Vec<u32> = (90_000..93_000).collect();
+        let block = BS as usize;
+        let idx = [
+            index_with(&shared, shared.len() / block),
+            ResidencyIndex::new(1_000),
+            index_with(&other, other.len() / block),
+        ];
+        let route = |cache_tokens: f64| {
+            let mut c = cands(&idx, &[4, 0, 0], &[true; 3]);
+            c.iter_mut().for_each(|c| c.cache_tokens = cache_tokens);
+            PreciseCacheAware::default()
+                .select(&input(&tokens), &FleetView::new(&c))
+                .unwrap()
+        };
+        // 8,192 tokens: the empty replica has room, the one holding 3,000 other tokens not.
+        let d = route(8_192.0);
+        assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
+        // Sizes unknown: no room known anywhere, so the holder keeps it.
+        let d = route(0.0);
+        assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
     }
 
     /// Before any replica has announced a block, a burst of requests sharing a prefix
