@@ -58,8 +58,8 @@ pub const SESSION_ID_HEADER: &str = "x-session-id";
 /// Seconds a client is told to wait when no target is eligible.
 const RETRY_AFTER_SECS: &str = "1";
 /// Bodies from this long on have their prompt summarised as it is encoded rather than
-/// kept (`prompt::PromptSummary`): under callgrind the summary costs 1-3% more
-/// instructions per request for 4-16 KiB bodies and 12-14% less for 128-512 KiB chats.
+/// kept (`prompt::PromptSummary`); below it, copying the prompt costs less than hashing
+/// its first messages piece by piece (docs/performance.md, "long prompts summarised").
 const SUMMARISE_FROM_BYTES: usize = 32 << 10;
 
 /// Per-request facts for the access log.
