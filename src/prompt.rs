@@ -17,8 +17,9 @@
 //! The other API shapes live beside this file, pure as it is: [`endpoint`] (which path is
 //! which endpoint), [`responses`] (Responses API prompt, encoded as chat, and the response
 //! id scanner), [`messages`] (Anthropic Messages, encoded as chat) and [`form`] (the
-//! `model` field of a multipart/form-data body). Pass-through endpoints only find the
-//! model ([`RequestBody::has_prompt`] is false).
+//! `model` field of a multipart/form-data body), and `summary` (what routing reads of a
+//! long prompt, taken as it is encoded instead of keeping its bytes). Pass-through
+//! endpoints only find the model ([`RequestBody::has_prompt`] is false).
 
 use serde::Deserialize;
 use serde_json::value::RawValue;

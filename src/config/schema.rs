@@ -232,7 +232,9 @@ pub struct ProviderConfig {
     /// at start-up as "GPU KV cache size: N tokens"). When set, the prefix trie of each
     /// target on this provider holds at most about what the replica can hold (its byte cap,
     /// `routing::cache_aware::trie_bytes_for_kv_cache`), so the trie forgets prompts the
-    /// replica has likely evicted.
+    /// replica has likely evicted; and the placement rule knows the cache's size
+    /// (`Candidate::cache_tokens`: the share bound spills only to a cache holding the
+    /// prompt twice; precise_cache_aware's room is half of it less the resident blocks).
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything

@@ -302,6 +302,13 @@ fn kv_cache_tokens_and_prompt_bytes_per_token() {
     let c = parse(&sized, "sized.toml").unwrap();
     assert_eq!(c.providers[0].kv_cache_tokens, Some(131072));
     assert_eq!(c.routes[0].prompt_bytes_per_token, 6.5);
+    let err = parse(&sized.replace("= 131072", "= 0"), "zero.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("providers[0].kv_cache_tokens: must be greater than 0"),
+        "{err}"
+    );
     for bad in ["0", "-1", "65.0", "nan"] {
         let text = GOOD.replace(
             "strategy = \"round_robin\"",

@@ -19,6 +19,12 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     let (policy, egress_problems) = EgressPolicy::compile(&config.egress);
     let mut names = HashSet::new();
     for (i, p) in config.providers.iter().enumerate() {
+        if p.kv_cache_tokens == Some(0) {
+            // 0 would read as "unknown" to the placement rule but cap the trie at one chunk.
+            out.push(format!(
+                "providers[{i}].kv_cache_tokens: must be greater than 0 (omit it when unknown)"
+            ));
+        }
         if p.name.is_empty() {
             out.push(format!("providers[{i}].name: must not be empty"));
         } else if !names.insert(p.name.as_str()) {

@@ -24,6 +24,8 @@ pub struct PromptSummary {
     pub first_len: usize,
     /// XXH3-64 of the second message's bytes (from the first's end), at most `keep` of them.
     pub second_hash: u64,
+    /// The `keep` the hashes were cut to.
+    pub keep: usize,
 }
 
 /// A sink summarising the prompt bytes written into it.
@@ -65,6 +67,7 @@ impl Summarizer {
         self.summary.first_len = self.first_end.unwrap_or(self.summary.len);
         self.summary.first_hash = self.hashes[0].digest();
         self.summary.second_hash = self.hashes[1].digest();
+        self.summary.keep = self.keep;
         self.summary.key = self.key.map(KeyBuilder::finish).unwrap_or_default();
         self.summary
     }
@@ -153,6 +156,7 @@ mod tests {
             first_hash: xxh3_64(&prompt[..first.min(keep)]),
             first_len: first,
             second_hash: xxh3_64(&prompt[first..second.min(first + keep)]),
+            keep,
         }
     }
 
@@ -242,6 +246,34 @@ mod tests {
                 parsed.summary(keep, true),
                 from_prompt(&parsed.prompt(), keep)
             );
+        }
+    }
+
+    proptest::proptest! {
+        /// Any bytes (separators, escapes, either tag or none), cut into any pieces.
+        #[test]
+        fn any_bytes_in_any_pieces_summarise_as_the_whole(
+            tag in proptest::sample::select(vec![TAG_CHAT, b'P', ESC, RS]),
+            body in proptest::collection::vec(
+                proptest::sample::select(vec![b'a', ESC, RS, 0x1F, 0x1D, 0]),
+                0..400,
+            ),
+            cuts in proptest::collection::vec(0usize..401, 0..12),
+            keep in 0usize..300,
+            tagged in proptest::bool::ANY,
+        ) {
+            let mut prompt = if tagged { vec![tag] } else { vec![] };
+            prompt.extend(&body);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(prompt.len())).collect();
+            cuts.sort();
+            let mut s = Summarizer::new(keep, true, 0);
+            let mut at = 0;
+            for c in cuts {
+                s.extend_from_slice(&prompt[at..c]);
+                at = c;
+            }
+            s.extend_from_slice(&prompt[at..]);
+            proptest::prop_assert_eq!(s.finish(), from_prompt(&prompt, keep));
         }
     }
 

@@ -58,6 +58,11 @@ pub fn room_bytes(trie: &PrefixTrie) -> f64 {
 
 /// `input`'s prompt key: the one the gateway computed, or computed here if it did not.
 pub fn prompt_key_of<'b>(input: &RouteInput<'b>) -> Cow<'b, [u8]> {
+    // A summarised prompt has no bytes to key: its strategy must say it uses the key.
+    debug_assert!(
+        input.facts.is_none() || !input.prompt_key.is_empty() || input.prompt_len() < CHUNK_BYTES,
+        "a summarised prompt without its key"
+    );
     if input.prompt_key.is_empty() && input.prompt.len() >= CHUNK_BYTES {
         Cow::Owned(key::prompt_key(input.prompt))
     } else {

@@ -30,7 +30,7 @@ use placement::PlacementKeys;
 /// What a strategy may look at in a request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RouteInput<'a> {
-    /// Prompt bytes (see `prompt`).
+    /// Prompt bytes (see `prompt`); empty when the gateway gave `facts` instead.
     pub prompt: &'a [u8],
     /// The prompt's key (`prefix::key`), what the prefix tries store, computed once per
     /// request for strategies that say they use it. Empty when not computed: a strategy that
@@ -62,6 +62,11 @@ pub struct PromptFacts {
 impl PromptFacts {
     /// The facts of `summary` (kept with [`placement::MAX_KEY_BYTES`]).
     pub fn of(summary: &crate::prompt::PromptSummary) -> Self {
+        debug_assert_eq!(
+            summary.keep,
+            placement::MAX_KEY_BYTES,
+            "placement keys' cut"
+        );
         PromptFacts {
             len: summary.len,
             keys: PlacementKeys::from_hashes(summary.first_hash, summary.second_hash),
@@ -242,9 +247,9 @@ pub trait Strategy: Send + Sync {
     /// Pick an eligible target, or `None` if there is none.
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision>;
 
-    /// Whether `select`/`record` read `RouteInput::prompt`. A strategy that does not says so,
-    /// and the gateway then skips encoding it (a copy of every message's text) and passes
-    /// an empty one.
+    /// Whether `select`/`record` read the prompt (`RouteInput::prompt`, or for a long one
+    /// `RouteInput::facts`). A strategy that does not says so, and the gateway then skips
+    /// encoding it and passes an empty prompt and no facts.
     fn uses_prompt(&self) -> bool {
         true
     }
@@ -346,13 +351,31 @@ mod tests {
             ..Default::default()
         };
         // A strategy each: a first sighting of the prompt's group is state.
-        let s = || CacheAware::new(placement::PlacementRule::default(), 4.0);
-        let (a, b) = (
-            s().select(&bytes, &FleetView::new(&c)).unwrap(),
-            s().select(&summarised, &FleetView::new(&c)).unwrap(),
-        );
-        assert_eq!((a.target, a.reason, a.score), (b.target, b.reason, b.score));
-        assert_eq!(a.conversation, b.conversation);
+        type Make = fn() -> Box<dyn Strategy>;
+        let strategies: [Make; 2] = [
+            || Box::new(CacheAware::new(placement::PlacementRule::default(), 4.0)),
+            || {
+                let w = PipelineWeights {
+                    static_weight: 0.0,
+                    load: 0.1,
+                    prefix: 1.0,
+                };
+                Box::new(Pipeline::new(
+                    w,
+                    std::sync::Arc::new(SessionTable::new(10, 100)),
+                    placement::PlacementRule::default(),
+                    4.0,
+                ))
+            },
+        ];
+        for make in strategies {
+            let (a, b) = (
+                make().select(&bytes, &FleetView::new(&c)).unwrap(),
+                make().select(&summarised, &FleetView::new(&c)).unwrap(),
+            );
+            assert_eq!((a.target, a.reason, a.score), (b.target, b.reason, b.score));
+            assert_eq!(a.conversation, b.conversation);
+        }
     }
 
     /// The gateway hands an empty prompt to a strategy whose `uses_prompt()` is false, so

@@ -14,7 +14,10 @@
 //! The pending overlay ([`PendingBlocks`]) is what keeps a burst of requests sharing a
 //! new prefix together: the first is noted on its target when routed, and the rest see
 //! it there before the replica has computed a block. The placement keys and the
-//! conversation test come from the prompt bytes, as for `cache_aware`.
+//! conversation test come from the prompt (its bytes, or the gateway's summary of a long
+//! one), as for `cache_aware`. The replica's configured cache size (`kv_cache_tokens`)
+//! tells the share bound where spilled work fits, and half of it less the blocks the
+//! stream reports resident is the room the load bound opens new homes in.
 
 use super::cache_aware::{previous_target, remember_target};
 use super::placement::{Ask, Choice, PlacementRule};
@@ -389,6 +392,14 @@ mod tests {
         // Sizes unknown: no room known anywhere, so the holder keeps it.
         let d = route(0.0);
         assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
+        // An untrusted stream's residency is unknown: no room either.
+        let mut c = cands(&idx, &[4, 0, 0], &[true, false, true]);
+        c.iter_mut().for_each(|c| c.cache_tokens = 8_192.0);
+        assert_eq!(room_tokens(&c[1]), 0.0);
+        assert_eq!(room_tokens(&c[0]), 4_096.0 - 2_000.0);
+        // More resident than half the cache: none, not less than none.
+        c[2].cache_tokens = 4_000.0;
+        assert_eq!(room_tokens(&c[2]), 0.0);
     }
 
     /// Before any replica has announced a block, a burst of requests sharing a prefix
