@@ -47,7 +47,7 @@ pub(super) struct Summarizer {
 }
 
 impl Summarizer {
-    /// A summariser keeping at most `keep` bytes of each of the first two messages, and
+    /// A summariser hashing at most `keep` bytes of each of the first two messages, and
     /// building the key when `with_key`, for a prompt of about `len_hint` bytes.
     pub(super) fn new(keep: usize, with_key: bool, len_hint: usize) -> Self {
         Summarizer {
@@ -92,7 +92,7 @@ impl Summarizer {
         None
     }
 
-    /// Files `bytes` (at prompt offset `at`) under the first or second message.
+    /// Hashes `bytes` (at prompt offset `at`) into the first or second message's hash.
     fn scan(&mut self, mut bytes: &[u8], mut at: usize) {
         if at == 0 && !bytes.is_empty() {
             self.chat = bytes[0] == TAG_CHAT;
