@@ -302,6 +302,21 @@ pub fn pick_random(items: impl Iterator<Item = usize>) -> Option<usize> {
 mod tests {
     use super::*;
 
+    /// A pipeline strategy weighing prefix affinity most.
+    fn pipeline() -> Box<dyn Strategy> {
+        let w = PipelineWeights {
+            static_weight: 0.0,
+            load: 0.1,
+            prefix: 1.0,
+        };
+        Box::new(Pipeline::new(
+            w,
+            std::sync::Arc::new(SessionTable::new(10, 100)),
+            placement::PlacementRule::default(),
+            4.0,
+        ))
+    }
+
     /// The gateway gives strategies a prompt's summary instead of its bytes: they must
     /// read the same length, key and placement keys from it, and so decide the same.
     #[test]
@@ -354,19 +369,7 @@ mod tests {
         type Make = fn() -> Box<dyn Strategy>;
         let strategies: [Make; 2] = [
             || Box::new(CacheAware::new(placement::PlacementRule::default(), 4.0)),
-            || {
-                let w = PipelineWeights {
-                    static_weight: 0.0,
-                    load: 0.1,
-                    prefix: 1.0,
-                };
-                Box::new(Pipeline::new(
-                    w,
-                    std::sync::Arc::new(SessionTable::new(10, 100)),
-                    placement::PlacementRule::default(),
-                    4.0,
-                ))
-            },
+            pipeline,
         ];
         for make in strategies {
             let (a, b) = (
@@ -390,19 +393,7 @@ mod tests {
             ("round_robin", || Box::new(RoundRobin::default())),
             ("least_load", || Box::new(LeastLoad)),
             ("cache_aware", || Box::new(CacheAware::default())),
-            ("pipeline", || {
-                let w = PipelineWeights {
-                    static_weight: 0.0,
-                    load: 0.1,
-                    prefix: 1.0,
-                };
-                Box::new(Pipeline::new(
-                    w,
-                    std::sync::Arc::new(SessionTable::new(10, 100)),
-                    placement::PlacementRule::default(),
-                    4.0,
-                ))
-            }),
+            ("pipeline", pipeline),
             ("precise_cache_aware", || {
                 Box::new(PreciseCacheAware::default())
             }),
