@@ -568,6 +568,8 @@ pub struct ResidencyIndex {
     max_entries: AtomicUsize,
     /// Learned block size for lock-free reads (0 = none yet).
     block_size: AtomicU32,
+    /// `Inner::gpu_entries` for lock-free reads, stored under the write lock.
+    gpu_blocks: AtomicUsize,
 }
 
 impl Default for ResidencyIndex {
@@ -583,6 +585,7 @@ impl ResidencyIndex {
             inner: RwLock::new(Inner::default()),
             max_entries: AtomicUsize::new(max_entries.max(1)),
             block_size: AtomicU32::new(0),
+            gpu_blocks: AtomicUsize::new(0),
         }
     }
 
@@ -595,6 +598,7 @@ impl ResidencyIndex {
         let mut stats = ApplyStats::default();
         inner.enforce_cap(max_entries, &mut stats);
         inner.maybe_compact();
+        self.gpu_blocks.store(inner.gpu_entries, Ordering::Relaxed);
         stats.evictions
     }
 
@@ -615,6 +619,7 @@ impl ResidencyIndex {
         }
         self.block_size
             .store(inner.block_size.unwrap_or(0), Ordering::Relaxed);
+        self.gpu_blocks.store(inner.gpu_entries, Ordering::Relaxed);
         stats
     }
 
@@ -624,6 +629,7 @@ impl ResidencyIndex {
         let mut inner = self.inner.write();
         *inner = Inner::default();
         self.block_size.store(0, Ordering::Relaxed);
+        self.gpu_blocks.store(0, Ordering::Relaxed);
     }
 
     /// Block size learned from the events, if any store carried tokens yet.
@@ -696,9 +702,9 @@ impl ResidencyIndex {
         }
     }
 
-    /// Blocks resident on GPU (entries with the GPU tier).
+    /// Blocks resident on GPU (entries with the GPU tier), without taking the lock.
     pub fn block_count(&self) -> usize {
-        self.inner.read().gpu_entries
+        self.gpu_blocks.load(Ordering::Relaxed)
     }
 
     /// Entries held, resident or remembered for parent lookups (≤ the cap).
@@ -756,6 +762,7 @@ impl ResidencyIndex {
             }
         }
         assert_eq!(gpu, inner.gpu_entries, "gpu entry count");
+        assert_eq!(self.block_count(), gpu, "lock-free gpu block count");
         assert_eq!(refs.len(), inner.own.len(), "own map size");
         for (own, (g, a)) in refs {
             let r = inner.own[&own];
