@@ -339,14 +339,23 @@ mod tests {
         assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
     }
 
+    /// A group's 2,000-token system prompt, and a new conversation's 2,040-token prompt on it.
+    fn new_conversation() -> (Vec<u32>, Vec<u32>) {
+        let shared: Vec<u32> = (0..2000).collect();
+        let mut tokens = shared.clone();
+        tokens.extend(50_000..50_040);
+        (shared, tokens)
+    }
+
     /// The share bound moves new work off a target given more than its share only to a
     /// replica whose cache (as configured) holds the prompt twice, or whose size is unknown.
     #[test]
     fn the_share_bound_spills_only_to_a_cache_that_holds_the_prompt_twice() {
-        let shared: Vec<u32> = (0..2000).collect();
-        let mut tokens = shared.clone();
-        tokens.extend(50_000..50_040);
-        let idx = [index_with(&shared, 125), ResidencyIndex::new(100)];
+        let (shared, tokens) = new_conversation();
+        let idx = [
+            index_with(&shared, shared.len() / BS as usize),
+            ResidencyIndex::new(100),
+        ];
         let route = |cache_tokens: f64| {
             let mut c = cands(&idx, &[1, 1], &[true, true]);
             c[0].placed = 20.0;
@@ -369,9 +378,7 @@ mod tests {
     /// reports resident) has room for it.
     #[test]
     fn a_new_conversation_past_the_load_bound_opens_a_home_where_the_cache_has_room() {
-        let shared: Vec<u32> = (0..2000).collect();
-        let mut tokens = shared.clone();
-        tokens.extend(50_000..50_040);
+        let (shared, tokens) = new_conversation();
         let other: Vec<u32> = (90_000..93_000).collect();
         let block = BS as usize;
         let idx = [
