@@ -77,6 +77,9 @@ pub struct Metrics {
     pub retries_refused: IntCounterVec,
     /// Client requests refused for a missing or wrong key (`[auth]`).
     pub auth_failures: IntCounter,
+    /// Long chat bodies whose parse resumed where their conversation's previous body
+    /// ended (`prompt::resume`).
+    pub prompts_resumed: IntCounter,
     /// DNS discovery resolutions by provider and result: unchanged, changed, failed.
     pub discovery: IntCounterVec,
     /// Addresses (targets per route) a DNS-discovered provider has now.
@@ -365,6 +368,11 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["route", "reason"]
     )
     .expect("register rolter_retries_refused_total"),
+    prompts_resumed: register_int_counter!(
+        "rolter_prompts_resumed_total",
+        "Long chat bodies whose parse resumed where their conversation's previous body ended"
+    )
+    .expect("register rolter_prompts_resumed_total"),
     auth_failures: register_int_counter!(
         "rolter_auth_failures_total",
         "Client requests refused with 401 for a missing or wrong key"

@@ -43,6 +43,7 @@ const TAG_COMPLETION: u8 = b'P';
 pub mod form;
 pub mod messages;
 pub mod responses;
+pub mod resume;
 mod summary;
 
 pub use summary::PromptSummary;
@@ -400,6 +401,7 @@ pub struct RequestBody<'a> {
     /// The Responses API's `previous_response_id`, if the body has one.
     pub previous_response_id: Option<String>,
     content: BodyContent<'a>,
+    body: &'a [u8],
     body_len: usize,
 }
 
@@ -408,6 +410,10 @@ enum BodyContent<'a> {
     Completion(PromptField<'a>),
     Responses(responses::Conversation<'a>),
     Messages(messages::Conversation<'a>),
+    /// A long chat body walked member by member, maybe resumed where the conversation's
+    /// previous body ended ([`resume`]): only [`RequestBody::summary_with`] reads it
+    /// as it is; every other reader parses the body whole again.
+    Walked(Option<Box<resume::Walked<'a>>>),
     /// A pass-through endpoint: only the model is read.
     None,
 }
@@ -449,6 +455,7 @@ impl<'a> RequestBody<'a> {
                 model_is_json: false,
                 previous_response_id: None,
                 content: BodyContent::None,
+                body,
                 body_len: body.len(),
             });
         }
@@ -488,8 +495,68 @@ impl<'a> RequestBody<'a> {
             model_is_json: true,
             previous_response_id,
             content,
+            body,
             body_len: body.len(),
         })
+    }
+
+    /// [`RequestBody::parse_with`], but a chat body of at least `walk_from` bytes is walked
+    /// member by member, resuming where a previous body in `cache` ended when it starts
+    /// with that body's bytes, for [`RequestBody::summary_with`].
+    pub fn parse_resuming(
+        endpoint: Endpoint,
+        body: &'a [u8],
+        content_type: Option<&[u8]>,
+        cache: &resume::ResumeCache,
+        walk_from: usize,
+    ) -> Result<Self, PromptError> {
+        if endpoint != Endpoint::Chat || body.len() < walk_from {
+            return Self::parse_with(endpoint, body, content_type);
+        }
+        match resume::walk(body, cache) {
+            Some(w) => Ok(RequestBody {
+                model: w.model.clone(),
+                model_span: w.model_span.clone(),
+                stream: w.stream,
+                model_is_json: true,
+                previous_response_id: None,
+                content: BodyContent::Walked(Some(Box::new(w))),
+                body,
+                body_len: body.len(),
+            }),
+            None => Self::parse_with(endpoint, body, content_type),
+        }
+    }
+
+    /// [`RequestBody::summary`], for a walked body from where its conversation's previous
+    /// body ended, keeping the state at the end of its messages in `cache` for the next.
+    pub fn summary_with(
+        &mut self,
+        keep: usize,
+        with_key: bool,
+        cache: &resume::ResumeCache,
+    ) -> PromptSummary {
+        if let BodyContent::Walked(walked) = &mut self.content {
+            if let Some(s) = walked
+                .take()
+                .and_then(|w| w.summary(self.body, keep, with_key, cache))
+            {
+                return s;
+            }
+        }
+        self.summary(keep, with_key)
+    }
+
+    /// Whether this body's parse resumed where its conversation's previous body ended.
+    pub fn resumed(&self) -> bool {
+        matches!(&self.content, BodyContent::Walked(Some(w)) if w.is_resumed())
+    }
+
+    /// The body parsed whole (for a walked body's readers other than `summary_with`).
+    fn whole(&self) -> Option<RequestBody<'a>> {
+        let whole = RequestBody::parse(Endpoint::Chat, self.body);
+        debug_assert!(whole.is_ok(), "a walked body parses whole");
+        whole.ok()
     }
 
     /// Whether the endpoint's body carries a prompt ([`RequestBody::prompt`] is empty
@@ -515,6 +582,11 @@ impl<'a> RequestBody<'a> {
 
     fn encode(&self, out: &mut impl Sink) {
         match &self.content {
+            BodyContent::Walked(_) => {
+                if let Some(whole) = self.whole() {
+                    whole.encode(out);
+                }
+            }
             BodyContent::Chat(messages) => {
                 out.push(TAG_CHAT);
                 for m in messages {

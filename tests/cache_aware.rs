@@ -102,3 +102,47 @@ async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica()
         .await;
     assert_eq!(hits, Some(12.0));
 }
+
+/// A long conversation's later turns resume their parse where the previous turn's body
+/// ended (`prompt::resume`): each still reaches its replica with the model rewritten for
+/// that replica, whether the body names its model before or after its messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_long_conversations_keep_their_replica_and_their_model() {
+    let stubs = [
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    ];
+    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
+    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    for conv in 0..4 {
+        let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(3000));
+        let body = |turns| {
+            let b: serde_json::Value =
+                serde_json::from_str(&conversation(&system, conv, turns)).unwrap();
+            let messages = b["messages"].to_string();
+            if conv % 2 == 0 {
+                format!(r#"{{"model": "alias", "messages": {messages}, "stream": false}}"#)
+            } else {
+                format!(r#"{{"messages": {messages}, "temperature": 0, "model": "alias"}}"#)
+            }
+        };
+        assert!(body(0).len() > 32 << 10);
+        let mut first = None;
+        for turns in 0..4 {
+            let (status, id, text) = post_chat(&gw, body(turns)).await;
+            assert_eq!(status, 200, "{text}");
+            let reply: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let expected = match id.as_deref() {
+                Some("a") => "upstream-model-0",
+                Some("b") => "upstream-model-1",
+                other => panic!("no stub id: {other:?}"),
+            };
+            assert_eq!(reply["model"], expected, "conversation {conv} turn {turns}");
+            first.get_or_insert(id.clone());
+            assert_eq!(Some(id), first, "conversation {conv} turn {turns} moved");
+        }
+    }
+    // Turns 1-3 of each conversation resumed.
+    let resumed = gw.metric("rolter_prompts_resumed_total").await;
+    assert_eq!(resumed, Some(12.0));
+}

@@ -64,6 +64,7 @@ pub fn prompt_key(prompt: &[u8]) -> Vec<u8> {
 /// A prompt's key computed from its bytes in pieces of any size as they are produced,
 /// without keeping them: [`prompt_key`] of the pieces joined. Pieces that end inside a
 /// chunk leave its bytes in a 64-byte carry until the chunk is whole.
+#[derive(Clone)]
 pub struct KeyBuilder {
     key: Vec<u8>,
     carry: [u8; CHUNK_BYTES],
@@ -107,6 +108,17 @@ impl KeyBuilder {
         let rest = bytes.chunks_exact(CHUNK_BYTES).remainder();
         self.carry[..rest.len()].copy_from_slice(rest);
         self.carried = rest.len();
+    }
+
+    /// Make room for the key of a prompt of `prompt_len` bytes in all.
+    pub fn reserve_for(&mut self, prompt_len: usize) {
+        self.key
+            .reserve(key_len(prompt_len).saturating_sub(self.key.len()));
+    }
+
+    /// Bytes the key holds (its allocation).
+    pub fn held_bytes(&self) -> usize {
+        self.key.capacity()
     }
 
     /// The key of the bytes given so far (a partial last chunk is not keyed).

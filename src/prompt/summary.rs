@@ -29,6 +29,7 @@ pub struct PromptSummary {
 }
 
 /// A sink summarising the prompt bytes written into it.
+#[derive(Clone)]
 pub(super) struct Summarizer {
     summary: PromptSummary,
     key: Option<KeyBuilder>,
@@ -61,6 +62,18 @@ impl Summarizer {
             escaped: false,
             first_end: None,
         }
+    }
+
+    /// Make room in the key for a prompt of about `len_hint` bytes in all.
+    pub(super) fn reserve_key(&mut self, len_hint: usize) {
+        if let Some(key) = &mut self.key {
+            key.reserve_for(len_hint);
+        }
+    }
+
+    /// Bytes the key holds so far (what keeping this summariser costs, beyond its size).
+    pub(super) fn key_bytes(&self) -> usize {
+        self.key.as_ref().map_or(0, KeyBuilder::held_bytes)
     }
 
     pub(super) fn finish(mut self) -> PromptSummary {

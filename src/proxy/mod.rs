@@ -141,6 +141,8 @@ pub struct Gateway {
     retry_budget: retry::RetryBudget,
     /// What each target reports in its own `/v1/models` (kept across reloads).
     models: models::ModelInfoCache,
+    /// Where recent long chat bodies' messages ended, to resume the next turn's parse.
+    resume: prompt::resume::ResumeCache,
 }
 
 impl Gateway {
@@ -158,6 +160,7 @@ impl Gateway {
             connections,
             retry_budget: retry::RetryBudget::default(),
             models: Default::default(),
+            resume: Default::default(),
         }
     }
 
@@ -212,8 +215,18 @@ impl Gateway {
             .then(|| headers.get(http::header::CONTENT_TYPE))
             .flatten()
             .map(|v| v.as_bytes());
-        let parsed = prompt::RequestBody::parse_with(endpoint, body.body(), content_type)
-            .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
+        // A long chat body continues where its conversation's previous one ended, if seen.
+        let mut parsed = prompt::RequestBody::parse_resuming(
+            endpoint,
+            body.body(),
+            content_type,
+            &self.resume,
+            SUMMARISE_FROM_BYTES,
+        )
+        .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
+        if parsed.resumed() {
+            METRICS.prompts_resumed.inc();
+        }
         ctx.stream = parsed.stream;
         let route = table.route(&parsed.model).ok_or_else(|| {
             GatewayError::NotFound(format!("The model '{}' does not exist", parsed.model))
@@ -257,9 +270,10 @@ impl Gateway {
             Vec::new()
         };
         let summary = (strategy.uses_prompt() && !keep_prompt).then(|| {
-            parsed.summary(
+            parsed.summary_with(
                 crate::routing::placement::MAX_KEY_BYTES,
                 strategy.uses_prompt_key(),
+                &self.resume,
             )
         });
         let model = if parsed.model_is_json {

@@ -1,0 +1,714 @@
+//! Resuming a growing chat body where the body of the conversation's previous turn ended.
+//!
+//! A chat client sends each turn's whole history again: the next body repeats the previous
+//! one's bytes up to the end of its last message, then adds the reply and the new question.
+//! Parsing and encoding that history again costs most of a long request's CPU (the JSON
+//! scan and its UTF-8 checks, the key's chunk hashes). So, for a summarised chat body, the
+//! parse walks the body's top-level object member by member (each value parsed by
+//! serde_json, which reports where it ended) and, at the end of the messages array, keeps
+//! the summariser's state with the offset it stands for and a hash of the bytes before it.
+//! A later body whose bytes up to that offset hash the same resumes there: only the new
+//! messages and the members after the array are parsed.
+//!
+//! Owns [`ResumeCache`] (bounded in entries and bytes, striped by a hash of a body's
+//! first bytes) and the top-level walk. Must not change what the summary is: a resumed
+//! body summarises exactly as the same body parsed whole (`tests`), and anything the walk
+//! does not expect (a duplicate member, a missing model, a different layout) falls back
+//! to the whole parse, which also gives the error a client sees.
+
+use super::summary::Summarizer;
+use super::{encode_message, Message, PromptSummary, Sink, Text, TAG_CHAT};
+use dashmap::DashMap;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
+
+/// Bytes of a body's start hashed to find its bucket: the model and the start of the
+/// system prompt; a group's conversations share a bucket, told apart by `TAIL_BYTES`. A
+/// state is saved only at an offset past them (they are part of the prefix it stands for).
+const BUCKET_KEY_BYTES: usize = 1024;
+/// Bytes just before a saved offset compared before the prefix is hashed.
+const TAIL_BYTES: usize = 16;
+/// Most saved states in one bucket: the conversations of one system prompt in flight.
+const BUCKET_ENTRIES: usize = 256;
+/// Default bound on the bytes all saved states hold (their keys: 1/8 of a prompt).
+pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+
+/// `model` (its value and span) and `stream` as far as the walk has seen them.
+#[derive(Clone, Default)]
+struct Before {
+    model: Option<(String, std::ops::Range<usize>)>,
+    stream: Option<Option<bool>>,
+}
+
+/// The parse of a body's top level at the end of its messages array.
+#[derive(Clone)]
+pub(super) struct Saved {
+    /// The summariser after the last message (its options: `keep`, key or not).
+    sum: Summarizer,
+    keep: usize,
+    with_key: bool,
+    /// `model` and `stream` when they came before the messages.
+    before: Before,
+}
+
+impl Saved {
+    fn bytes(&self) -> usize {
+        self.sum.key_bytes() + std::mem::size_of::<Saved>()
+    }
+}
+
+struct Entry {
+    at: usize,
+    tail: [u8; TAIL_BYTES],
+    prefix_hash: u64,
+    saved: Box<Saved>,
+    seq: u64,
+}
+
+/// Saved parse states of recent long chat bodies, bounded in entries per bucket and in
+/// bytes (about: concurrent inserts may each pass the check before counting).
+pub struct ResumeCache {
+    buckets: DashMap<u64, Vec<Entry>>,
+    bytes: AtomicUsize,
+    budget: usize,
+    seq: AtomicU64,
+}
+
+impl Default for ResumeCache {
+    fn default() -> Self {
+        ResumeCache::new(DEFAULT_BUDGET_BYTES)
+    }
+}
+
+impl ResumeCache {
+    /// A cache holding at most `budget` bytes of saved states.
+    pub fn new(budget: usize) -> Self {
+        ResumeCache {
+            buckets: DashMap::new(),
+            bytes: AtomicUsize::new(0),
+            budget,
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes the saved states hold.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Relaxed)
+    }
+
+    /// Take the saved state of the longest prefix of `body` a previous body ended at, with
+    /// the hash of `body` up to there (streaming, to be continued to the next offset). The
+    /// prefixes are hashed outside the bucket's lock; the entry is then taken under it
+    /// unless another request took it first.
+    fn take(&self, body: &[u8]) -> Option<(usize, Box<Saved>, Xxh3Default)> {
+        if body.len() <= BUCKET_KEY_BYTES {
+            return None;
+        }
+        let key = bucket_key(body);
+        // (offset, prefix hash, entry id) of the entries whose tail bytes match, shortest first.
+        let mut candidates: Vec<(usize, u64, u64)> = self
+            .buckets
+            .get(&key)?
+            .iter()
+            .filter(|e| e.at < body.len() && body[e.at - TAIL_BYTES..e.at] == e.tail)
+            .map(|e| (e.at, e.prefix_hash, e.seq))
+            .collect();
+        candidates.sort_unstable();
+        let mut hasher = Xxh3Default::new();
+        let mut hashed = 0;
+        let mut found = None;
+        for &(at, prefix_hash, seq) in &candidates {
+            hasher.update(&body[hashed..at]);
+            hashed = at;
+            if hasher.digest() == prefix_hash {
+                found = Some((at, seq, hasher.clone()));
+            }
+        }
+        let (at, seq, hasher) = found?;
+        let mut bucket = self.buckets.get_mut(&key)?;
+        let i = bucket.iter().position(|e| e.seq == seq)?;
+        let e = bucket.swap_remove(i);
+        self.bytes.fetch_sub(e.saved.bytes(), Relaxed);
+        if bucket.is_empty() {
+            drop(bucket);
+            self.buckets.remove_if(&key, |_, b| b.is_empty());
+        }
+        Some((at, e.saved, hasher))
+    }
+
+    /// Keep `saved`, the state of `body` at `at`, whose prefix hashes to `prefix_hash`.
+    fn put(&self, body: &[u8], at: usize, prefix_hash: u64, saved: Box<Saved>) {
+        if at < BUCKET_KEY_BYTES {
+            return;
+        }
+        let size = saved.bytes();
+        let seq = self.seq.fetch_add(1, Relaxed);
+        let mut bucket = self.buckets.entry(bucket_key(body)).or_default();
+        while !bucket.is_empty()
+            && (bucket.len() >= BUCKET_ENTRIES || self.bytes.load(Relaxed) + size > self.budget)
+        {
+            let oldest = (0..bucket.len())
+                .min_by_key(|&i| bucket[i].seq)
+                .expect("not empty");
+            let e = bucket.swap_remove(oldest);
+            self.bytes.fetch_sub(e.saved.bytes(), Relaxed);
+        }
+        if self.bytes.load(Relaxed) + size > self.budget {
+            return;
+        }
+        self.bytes.fetch_add(size, Relaxed);
+        let tail = body[at - TAIL_BYTES..at]
+            .try_into()
+            .expect("TAIL_BYTES long");
+        bucket.push(Entry {
+            at,
+            tail,
+            prefix_hash,
+            saved,
+            seq,
+        });
+    }
+}
+
+fn bucket_key(body: &[u8]) -> u64 {
+    xxh3_64(&body[..BUCKET_KEY_BYTES])
+}
+
+/// What the walk of a chat body found.
+pub(super) struct Walked<'a> {
+    pub model: String,
+    pub model_span: std::ops::Range<usize>,
+    pub stream: bool,
+    /// The messages parsed (those after the resumed offset when resumed).
+    pub messages: Vec<Message<'a>>,
+    /// The state the messages continue, when resumed: it, the hash of the body up to the
+    /// offset it stands for, and that offset.
+    resumed: Option<(Box<Saved>, Xxh3Default, usize)>,
+    /// Where the messages array's last message ends (0 when it has none).
+    pub end: usize,
+    /// `model` and `stream` seen before the messages, for the next body's saved state.
+    before: Before,
+}
+
+/// Walk `body` (a chat completion request) from where a previous body of `cache` ended,
+/// or from its start. `None` where the body is not a plain JSON object with one each of
+/// `model` and `messages` (the whole parse then decides, and reports the error).
+pub(super) fn walk<'a>(body: &'a [u8], cache: &ResumeCache) -> Option<Walked<'a>> {
+    match cache.take(body) {
+        Some((at, saved, hasher)) => {
+            let before = saved.before.clone();
+            let mut walked = Walker::resume(body, at, before).run()?;
+            walked.resumed = Some((saved, hasher, at));
+            Some(walked)
+        }
+        None => Walker::start(body)?.run(),
+    }
+}
+
+impl<'a> Walked<'a> {
+    /// Whether the walk resumed where a previous body ended.
+    pub fn is_resumed(&self) -> bool {
+        self.resumed.is_some()
+    }
+
+    /// The summary of the whole body's prompt (at most `keep` bytes of each of the first
+    /// two messages hashed; the key when `with_key`), saving the state at the end of the
+    /// messages in `cache` for the conversation's next turn. `None` when the resumed
+    /// state was made with other options (the caller then parses the body whole).
+    pub fn summary(
+        self,
+        body: &[u8],
+        keep: usize,
+        with_key: bool,
+        cache: &ResumeCache,
+    ) -> Option<PromptSummary> {
+        let (mut sum, mut hasher, hashed) = match self.resumed {
+            Some((saved, hasher, at)) => {
+                if (saved.keep, saved.with_key) != (keep, with_key) {
+                    return None;
+                }
+                let mut sum = saved.sum;
+                sum.reserve_key(body.len());
+                (sum, hasher, at)
+            }
+            None => {
+                let mut sum = Summarizer::new(keep, with_key, body.len());
+                sum.push(TAG_CHAT);
+                (sum, Xxh3Default::new(), 0)
+            }
+        };
+        for m in &self.messages {
+            encode_message(&mut sum, m);
+        }
+        // Saved again even when no message was added (a retried body), as `take` removed it.
+        if self.end >= BUCKET_KEY_BYTES {
+            hasher.update(&body[hashed..self.end]);
+            let saved = Box::new(Saved {
+                sum: sum.clone(),
+                keep,
+                with_key,
+                before: self.before,
+            });
+            cache.put(body, self.end, hasher.digest(), saved);
+        }
+        Some(sum.finish())
+    }
+}
+
+/// The walk's position in the body's top-level object.
+struct Walker<'a> {
+    body: &'a [u8],
+    pos: usize,
+    model: Option<(String, std::ops::Range<usize>)>,
+    stream: Option<Option<bool>>,
+    messages: Option<Vec<Message<'a>>>,
+    end: usize,
+    before: Before,
+    /// Resumed inside the messages array, after a message.
+    resumed: bool,
+}
+
+impl<'a> Walker<'a> {
+    fn start(body: &'a [u8]) -> Option<Self> {
+        let pos = ws(body, 0);
+        (body.get(pos) == Some(&b'{')).then_some(Walker {
+            body,
+            pos: pos + 1,
+            model: None,
+            stream: None,
+            messages: None,
+            end: 0,
+            before: Before::default(),
+            resumed: false,
+        })
+    }
+
+    fn resume(body: &'a [u8], at: usize, before: Before) -> Self {
+        Walker {
+            body,
+            pos: at,
+            model: before.model.clone(),
+            stream: before.stream,
+            messages: Some(Vec::new()),
+            end: at,
+            before,
+            resumed: true,
+        }
+    }
+
+    fn run(mut self) -> Option<Walked<'a>> {
+        if self.resumed {
+            self.rest_of_messages()?;
+            if !self.after_member()? {
+                self.members()?;
+            }
+        } else {
+            // An empty object has no model: the whole parse reports it.
+            self.members()?;
+        }
+        let (model, model_span) = self.model?;
+        Some(Walked {
+            model,
+            model_span,
+            stream: self.stream.flatten().unwrap_or(false),
+            messages: self.messages?,
+            resumed: None,
+            end: self.end,
+            before: self.before,
+        })
+    }
+
+    /// Members from the current one to the object's end, then nothing but whitespace.
+    fn members(&mut self) -> Option<()> {
+        loop {
+            let (key, at) = value::<Text>(self.body, self.pos)?;
+            self.pos = ws(self.body, at);
+            if self.body.get(self.pos) != Some(&b':') {
+                return None;
+            }
+            self.pos += 1;
+            match key.0.as_ref() {
+                "messages" => {
+                    if self.messages.is_some() {
+                        return None;
+                    }
+                    self.before = Before {
+                        model: self.model.clone(),
+                        stream: self.stream,
+                    };
+                    self.pos = ws(self.body, self.pos);
+                    if self.body.get(self.pos) != Some(&b'[') {
+                        return None;
+                    }
+                    self.pos += 1;
+                    self.messages = Some(Vec::new());
+                    self.first_message()?;
+                }
+                "model" => {
+                    if self.model.is_some() {
+                        return None;
+                    }
+                    let (raw, at) = value::<&RawValue>(self.body, self.pos)?;
+                    let model: String = serde_json::from_str(raw.get()).ok()?;
+                    let start = raw.get().as_ptr() as usize - self.body.as_ptr() as usize;
+                    self.model = Some((model, start..start + raw.get().len()));
+                    self.pos = at;
+                }
+                "stream" => {
+                    if self.stream.is_some() {
+                        return None;
+                    }
+                    let (stream, at) = value::<Option<bool>>(self.body, self.pos)?;
+                    self.stream = Some(stream);
+                    self.pos = at;
+                }
+                _ => self.pos = value::<IgnoredAny>(self.body, self.pos)?.1,
+            }
+            if self.after_member()? {
+                return Some(());
+            }
+        }
+    }
+
+    /// After a member's value: `,` and the next member (false), or the object's end and
+    /// then only whitespace (true).
+    fn after_member(&mut self) -> Option<bool> {
+        self.pos = ws(self.body, self.pos);
+        match self.body.get(self.pos)? {
+            b',' => {
+                self.pos += 1;
+                Some(false)
+            }
+            b'}' => {
+                let end = ws(self.body, self.pos + 1);
+                (end == self.body.len()).then_some(true)
+            }
+            _ => None,
+        }
+    }
+
+    /// Just past the array's `[`: `]`, or the first message and the rest.
+    fn first_message(&mut self) -> Option<()> {
+        self.pos = ws(self.body, self.pos);
+        if self.body.get(self.pos) == Some(&b']') {
+            self.pos += 1;
+            return Some(());
+        }
+        self.message()?;
+        self.rest_of_messages()
+    }
+
+    /// Just past a message: `,` and another, until the array's `]`.
+    fn rest_of_messages(&mut self) -> Option<()> {
+        loop {
+            self.pos = ws(self.body, self.pos);
+            match self.body.get(self.pos)? {
+                b']' => {
+                    self.pos += 1;
+                    return Some(());
+                }
+                b',' => {
+                    self.pos += 1;
+                    self.message()?;
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn message(&mut self) -> Option<()> {
+        let (m, at) = value::<Message>(self.body, self.pos)?;
+        self.messages.as_mut()?.push(m);
+        self.pos = at;
+        self.end = at;
+        Some(())
+    }
+}
+
+/// One JSON value of `body` from `pos` (after any whitespace), and where it ends.
+fn value<'a, T: Deserialize<'a>>(body: &'a [u8], pos: usize) -> Option<(T, usize)> {
+    let mut values = serde_json::Deserializer::from_slice(body.get(pos..)?).into_iter::<T>();
+    let v = values.next()?.ok()?;
+    Some((v, pos + values.byte_offset()))
+}
+
+/// `pos` past any JSON whitespace.
+fn ws(body: &[u8], mut pos: usize) -> usize {
+    while matches!(body.get(pos), Some(b' ' | b'\n' | b'\t' | b'\r')) {
+        pos += 1;
+    }
+    pos
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prompt::{Endpoint, RequestBody};
+    use serde_json::json;
+
+    /// A body's members besides `messages`: (name, JSON value).
+    type Members<'a> = Vec<(&'a str, String)>;
+
+    /// A chat body with its members in the given order: `messages`, then the others as
+    /// (name, JSON value) pairs placed before or after it.
+    fn body(
+        before: &[(&str, String)],
+        msgs: &[serde_json::Value],
+        after: &[(&str, String)],
+    ) -> Vec<u8> {
+        let member = |(k, v): &(&str, String)| format!("{}: {v}", json!(k));
+        let mut members: Vec<String> = before.iter().map(member).collect();
+        members.push(format!(
+            "\"messages\": {}",
+            serde_json::to_string(msgs).unwrap()
+        ));
+        members.extend(after.iter().map(member));
+        format!("{{{}}}", members.join(", ")).into_bytes()
+    }
+
+    fn turn(i: usize, text: &str) -> [serde_json::Value; 2] {
+        [
+            json!({"role": "assistant", "content": format!("reply {i}: {text}")}),
+            json!({"role": "user", "content": format!("question {i}: {text}")}),
+        ]
+    }
+
+    /// The summary, model and stream of `body` through the walk, and whether it resumed.
+    fn walked(
+        body: &[u8],
+        cache: &ResumeCache,
+        keep: usize,
+    ) -> (PromptSummary, String, std::ops::Range<usize>, bool, bool) {
+        let w = walk(body, cache).expect("a plain chat body walks");
+        let (model, span, stream, resumed) = (
+            w.model.clone(),
+            w.model_span.clone(),
+            w.stream,
+            w.resumed.is_some(),
+        );
+        let s = w.summary(body, keep, true, cache).expect("same options");
+        (s, model, span, stream, resumed)
+    }
+
+    fn whole(body: &[u8], keep: usize) -> (PromptSummary, String, std::ops::Range<usize>, bool) {
+        let p = RequestBody::parse(Endpoint::Chat, body).unwrap();
+        (
+            p.summary(keep, true),
+            p.model.clone(),
+            p.model_span.clone(),
+            p.stream,
+        )
+    }
+
+    #[test]
+    fn a_growing_conversation_resumes_and_summarises_as_parsed_whole() {
+        let layouts: [(Members, Members); 3] = [
+            (
+                vec![("model", json!("m").to_string())],
+                vec![("stream", "true".into())],
+            ),
+            (
+                vec![],
+                vec![
+                    ("model", json!("m\u{e9}").to_string()),
+                    (
+                        "tools",
+                        json!([{"type": "function", "name": "f"}]).to_string(),
+                    ),
+                ],
+            ),
+            (
+                vec![
+                    ("stream", "false".into()),
+                    ("model", json!("x/y").to_string()),
+                ],
+                vec![("max_tokens", "32".into())],
+            ),
+        ];
+        for (before, after) in &layouts {
+            let cache = ResumeCache::default();
+            let system = "You are terse. \u{1e} \\ \"quoted\" ".repeat(50);
+            let mut msgs = vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": "hi"}),
+            ];
+            for i in 0..6 {
+                let b = body(before, &msgs, after);
+                let (s, model, span, stream, resumed) = walked(&b, &cache, 4096);
+                let (ws, wmodel, wspan, wstream) = whole(&b, 4096);
+                assert_eq!(
+                    (&s, &model, &span, stream),
+                    (&ws, &wmodel, &wspan, wstream),
+                    "turn {i}"
+                );
+                assert_eq!(resumed, i > 0, "turn {i}");
+                msgs.extend(turn(i, &"words \u{1d} ".repeat(i * 7)));
+            }
+        }
+    }
+
+    #[test]
+    fn a_body_whose_history_changed_starts_over() {
+        let cache = ResumeCache::default();
+        let mut msgs = vec![
+            json!({"role": "system", "content": "s".repeat(1500)}),
+            json!({"role": "user", "content": "q"}),
+        ];
+        let model = [("model", json!("m").to_string())];
+        assert!(!walked(&body(&model, &msgs, &[]), &cache, 64).4);
+        msgs[1] = json!({"role": "user", "content": "Q"});
+        msgs.extend(turn(0, "x"));
+        let b = body(&model, &msgs, &[]);
+        let (s, .., resumed) = walked(&b, &cache, 64);
+        assert!(!resumed);
+        assert_eq!(s, whole(&b, 64).0);
+    }
+
+    #[test]
+    fn a_retried_body_resumes_again_and_options_that_differ_fall_back() {
+        let cache = ResumeCache::default();
+        let msgs = vec![
+            json!({"role": "system", "content": "s".repeat(1500)}),
+            json!({"role": "user", "content": "q"}),
+        ];
+        let b = body(&[("model", json!("m").to_string())], &msgs, &[]);
+        walked(&b, &cache, 64);
+        assert!(
+            walked(&b, &cache, 64).4,
+            "the same body resumes at its own end"
+        );
+        assert!(walked(&b, &cache, 64).4, "and is saved again");
+        // Saved with the key; asked without: no summary from the walk (the caller parses whole).
+        let w = walk(&b, &cache).unwrap();
+        assert!(w.resumed.is_some());
+        assert!(w.summary(&b, 64, false, &cache).is_none());
+        // Through `RequestBody`, the same body still summarises right.
+        let mut p = RequestBody::parse_resuming(Endpoint::Chat, &b, None, &cache, 0).unwrap();
+        let expected = RequestBody::parse(Endpoint::Chat, &b)
+            .unwrap()
+            .summary(64, false);
+        assert_eq!(p.summary_with(64, false, &cache), expected);
+    }
+
+    #[test]
+    fn bodies_the_walk_does_not_expect_are_left_to_the_whole_parse() {
+        let cache = ResumeCache::default();
+        let msgs = [json!({"role": "user", "content": "q"})];
+        let dup_model = body(
+            &[("model", json!("a").to_string())],
+            &msgs,
+            &[("model", json!("b").to_string())],
+        );
+        let dup_stream = body(
+            &[("stream", "true".into())],
+            &msgs,
+            &[("model", json!("b").to_string()), ("stream", "true".into())],
+        );
+        let no_model = body(&[], &msgs, &[]);
+        let model_number = body(&[("model", "7".into())], &msgs, &[]);
+        let mut trailing = body(&[("model", json!("a").to_string())], &msgs, &[]);
+        trailing.extend_from_slice(b" x");
+        let messages_null = br#"{"model": "a", "messages": null}"#.to_vec();
+        for b in [
+            dup_model,
+            dup_stream,
+            no_model,
+            model_number,
+            trailing,
+            messages_null,
+        ] {
+            assert!(
+                walk(&b, &cache).is_none(),
+                "{}",
+                String::from_utf8_lossy(&b)
+            );
+            let err = |r: Result<RequestBody, _>| {
+                r.err().map(|e: crate::prompt::PromptError| e.to_string())
+            };
+            assert_eq!(
+                err(RequestBody::parse_resuming(
+                    Endpoint::Chat,
+                    &b,
+                    None,
+                    &cache,
+                    0
+                )),
+                err(RequestBody::parse(Endpoint::Chat, &b)),
+            );
+            assert!(err(RequestBody::parse(Endpoint::Chat, &b)).is_some());
+        }
+        // A body resumed from a saved state must not accept a second model in its tail.
+        let msgs = [json!({"role": "system", "content": "s".repeat(1500)})];
+        let b1 = body(&[("model", json!("a").to_string())], &msgs, &[]);
+        walked(&b1, &cache, 64);
+        assert!(walked(&b1, &cache, 64).4);
+        let mut longer = msgs.to_vec();
+        longer.extend(turn(1, "x"));
+        let b2 = body(
+            &[("model", json!("a").to_string())],
+            &longer,
+            &[("model", json!("b").to_string())],
+        );
+        assert!(walk(&b2, &cache).is_none());
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_budget() {
+        let cache = ResumeCache::new(64 << 10);
+        for i in 0..200 {
+            let msgs = vec![
+                json!({"role": "system", "content": format!("{i} {}", "s".repeat(4000))}),
+                json!({"role": "user", "content": "q"}),
+            ];
+            walked(
+                &body(&[("model", json!("m").to_string())], &msgs, &[]),
+                &cache,
+                64,
+            );
+            assert!(cache.bytes() <= 64 << 10, "{}", cache.bytes());
+        }
+        assert!(cache.bytes() > 0);
+    }
+
+    proptest::proptest! {
+        /// Any growing conversation, in any member order and layout, resumes each turn and
+        /// summarises as its body parsed whole.
+        #[test]
+        fn any_growing_conversation_summarises_as_parsed_whole(
+            turns in proptest::collection::vec(
+                ("[a-z\u{1b}\u{1d}\u{1e}\u{1f}\"\\\\\u{e9}]{0,4}", "[a-z \u{1b}\u{1d}\u{1e}\u{1f}\"\\\\\u{e9}\u{1F600}]{0,120}"),
+                1..6,
+            ),
+            model_first in proptest::bool::ANY,
+            stream in proptest::option::of(proptest::bool::ANY),
+            pretty in proptest::bool::ANY,
+            keep in 0usize..100,
+        ) {
+            let cache = ResumeCache::default();
+            let model = ("model", json!("m").to_string());
+            let mut before = Vec::new();
+            let mut after = vec![("temperature", "0.5".to_string())];
+            if model_first { before.push(model) } else { after.push(model) }
+            if let Some(s) = stream { before.push(("stream", s.to_string())) }
+            let mut msgs = vec![json!({"role": "system", "content": "s \u{1e}".repeat(400)})];
+            for (i, (role, text)) in turns.iter().enumerate() {
+                msgs.push(json!({"role": role, "content": text}));
+                let mut b = body(&before, &msgs, &after);
+                if pretty {
+                    let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+                    let pretty = serde_json::to_vec_pretty(&v).unwrap();
+                    // Pretty printing sorts the members; keep it only where it still
+                    // walks (every layout is a valid body either way).
+                    b = pretty;
+                }
+                let (s, model, span, stream, resumed) = walked(&b, &cache, keep);
+                let (ws, wmodel, wspan, wstream) = whole(&b, keep);
+                proptest::prop_assert_eq!((s, model, span, stream), (ws, wmodel, wspan, wstream));
+                proptest::prop_assert_eq!(resumed, i > 0, "turn {}", i);
+            }
+        }
+    }
+}
