@@ -10,20 +10,27 @@
 //! A later body whose bytes up to that offset hash the same resumes there: only the new
 //! messages and the members after the array are parsed.
 //!
+//! The bytes before a saved offset are never parsed again, so the hash that vouches for
+//! them is keyed (XXH3-128 under a per-process random secret): a client cannot write a
+//! body that resumes from another conversation's state.
+//!
 //! Owns [`ResumeCache`] (bounded in entries and bytes, striped by a hash of a body's
 //! first bytes) and the top-level walk. Must not change what the summary is: a resumed
 //! body summarises exactly as the same body parsed whole (`tests`), and anything the walk
-//! does not expect (a duplicate member, a missing model, a different layout) falls back
-//! to the whole parse, which also gives the error a client sees.
+//! does not expect (a duplicate member, a missing model, a different layout, nesting near
+//! serde_json's limit, which a value parsed on its own would count from its own start)
+//! falls back to the whole parse, which also gives the error a client sees.
 
 use super::summary::Summarizer;
 use super::{encode_message, Message, PromptSummary, Sink, Text, TAG_CHAT};
 use dashmap::DashMap;
+use parking_lot::Mutex;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
+use std::sync::OnceLock;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Bytes of a body's start hashed to find its bucket: the model and the start of the
 /// system prompt; a group's conversations share a bucket, told apart by `TAIL_BYTES`. A
@@ -33,8 +40,21 @@ const BUCKET_KEY_BYTES: usize = 1024;
 const TAIL_BYTES: usize = 16;
 /// Most saved states in one bucket: the conversations of one system prompt in flight.
 const BUCKET_ENTRIES: usize = 256;
-/// Default bound on the bytes all saved states hold (their keys: 1/8 of a prompt).
+/// Default bound on the bytes all saved states hold (mostly their keys: 1/16 of a prompt).
 pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+/// serde_json's nesting limit (its `remaining_depth` starts at 128 and fails at 0).
+const JSON_MAX_DEPTH: usize = 127;
+/// Nesting a message's own parse may reach: the whole parse counts the body's object and
+/// the messages array above it, a message parsed on its own does not.
+const MESSAGE_MAX_DEPTH: usize = JSON_MAX_DEPTH - 2;
+
+/// The prefix hash: XXH3-128 under a per-process random secret, so a client cannot aim a
+/// body at another conversation's saved state (XXH3's default secret is public, and with
+/// it two bodies colliding can be written down without a search).
+fn prefix_hasher() -> Xxh3 {
+    static SECRET: OnceLock<[u8; 192]> = OnceLock::new();
+    Xxh3::with_secret(*SECRET.get_or_init(|| std::array::from_fn(|_| rand::random::<u8>())))
+}
 
 /// `model` (its value and span) and `stream` as far as the walk has seen them.
 #[derive(Clone, Default)]
@@ -55,6 +75,7 @@ pub(super) struct Saved {
 }
 
 impl Saved {
+    /// What holding this state costs: its key and its own size (not the map's overhead).
     fn bytes(&self) -> usize {
         self.sum.key_bytes() + std::mem::size_of::<Saved>()
     }
@@ -63,18 +84,23 @@ impl Saved {
 struct Entry {
     at: usize,
     tail: [u8; TAIL_BYTES],
-    prefix_hash: u64,
+    prefix_hash: u128,
     saved: Box<Saved>,
+    /// Insertion order (a bucket's entries are kept in it).
     seq: u64,
 }
 
 /// Saved parse states of recent long chat bodies, bounded in entries per bucket and in
-/// bytes (about: concurrent inserts may each pass the check before counting).
+/// bytes (about: concurrent inserts may each pass the check before counting). When the
+/// bytes run out, the oldest half of all states is dropped at once (one request does it,
+/// the others skip saving meanwhile).
 pub struct ResumeCache {
     buckets: DashMap<u64, Vec<Entry>>,
     bytes: AtomicUsize,
+    entries: AtomicUsize,
     budget: usize,
     seq: AtomicU64,
+    evicting: Mutex<()>,
 }
 
 impl Default for ResumeCache {
@@ -84,13 +110,15 @@ impl Default for ResumeCache {
 }
 
 impl ResumeCache {
-    /// A cache holding at most `budget` bytes of saved states.
+    /// A cache holding at most about `budget` bytes of saved states.
     pub fn new(budget: usize) -> Self {
         ResumeCache {
             buckets: DashMap::new(),
             bytes: AtomicUsize::new(0),
+            entries: AtomicUsize::new(0),
             budget,
             seq: AtomicU64::new(0),
+            evicting: Mutex::new(()),
         }
     }
 
@@ -103,13 +131,13 @@ impl ResumeCache {
     /// the hash of `body` up to there (streaming, to be continued to the next offset). The
     /// prefixes are hashed outside the bucket's lock; the entry is then taken under it
     /// unless another request took it first.
-    fn take(&self, body: &[u8]) -> Option<(usize, Box<Saved>, Xxh3Default)> {
+    fn take(&self, body: &[u8]) -> Option<(usize, Box<Saved>, Xxh3)> {
         if body.len() <= BUCKET_KEY_BYTES {
             return None;
         }
         let key = bucket_key(body);
         // (offset, prefix hash, entry id) of the entries whose tail bytes match, shortest first.
-        let mut candidates: Vec<(usize, u64, u64)> = self
+        let mut candidates: Vec<(usize, u128, u64)> = self
             .buckets
             .get(&key)?
             .iter()
@@ -117,21 +145,21 @@ impl ResumeCache {
             .map(|e| (e.at, e.prefix_hash, e.seq))
             .collect();
         candidates.sort_unstable();
-        let mut hasher = Xxh3Default::new();
+        let mut hasher = prefix_hasher();
         let mut hashed = 0;
         let mut found = None;
         for &(at, prefix_hash, seq) in &candidates {
             hasher.update(&body[hashed..at]);
             hashed = at;
-            if hasher.digest() == prefix_hash {
+            if hasher.digest128() == prefix_hash {
                 found = Some((at, seq, hasher.clone()));
             }
         }
         let (at, seq, hasher) = found?;
         let mut bucket = self.buckets.get_mut(&key)?;
         let i = bucket.iter().position(|e| e.seq == seq)?;
-        let e = bucket.swap_remove(i);
-        self.bytes.fetch_sub(e.saved.bytes(), Relaxed);
+        let e = bucket.remove(i);
+        self.forget(&e);
         if bucket.is_empty() {
             drop(bucket);
             self.buckets.remove_if(&key, |_, b| b.is_empty());
@@ -140,26 +168,25 @@ impl ResumeCache {
     }
 
     /// Keep `saved`, the state of `body` at `at`, whose prefix hashes to `prefix_hash`.
-    fn put(&self, body: &[u8], at: usize, prefix_hash: u64, saved: Box<Saved>) {
-        if at < BUCKET_KEY_BYTES {
-            return;
-        }
+    fn put(&self, body: &[u8], at: usize, prefix_hash: u128, saved: Box<Saved>) {
         let size = saved.bytes();
-        let seq = self.seq.fetch_add(1, Relaxed);
-        let mut bucket = self.buckets.entry(bucket_key(body)).or_default();
-        while !bucket.is_empty()
-            && (bucket.len() >= BUCKET_ENTRIES || self.bytes.load(Relaxed) + size > self.budget)
-        {
-            let oldest = (0..bucket.len())
-                .min_by_key(|&i| bucket[i].seq)
-                .expect("not empty");
-            let e = bucket.swap_remove(oldest);
-            self.bytes.fetch_sub(e.saved.bytes(), Relaxed);
+        if at < BUCKET_KEY_BYTES || at > body.len() || size > self.budget {
+            return;
         }
         if self.bytes.load(Relaxed) + size > self.budget {
-            return;
+            self.evict_oldest_half();
+            if self.bytes.load(Relaxed) + size > self.budget {
+                return;
+            }
+        }
+        let seq = self.seq.fetch_add(1, Relaxed);
+        let mut bucket = self.buckets.entry(bucket_key(body)).or_default();
+        if bucket.len() >= BUCKET_ENTRIES {
+            let oldest = bucket.remove(0);
+            self.forget(&oldest);
         }
         self.bytes.fetch_add(size, Relaxed);
+        self.entries.fetch_add(1, Relaxed);
         let tail = body[at - TAIL_BYTES..at]
             .try_into()
             .expect("TAIL_BYTES long");
@@ -169,6 +196,31 @@ impl ResumeCache {
             prefix_hash,
             saved,
             seq,
+        });
+    }
+
+    fn forget(&self, e: &Entry) {
+        self.bytes.fetch_sub(e.saved.bytes(), Relaxed);
+        self.entries.fetch_sub(1, Relaxed);
+    }
+
+    /// Drop the states older than about the median (by insertion order), and the buckets
+    /// left empty. One request at a time; the others go on without saving meanwhile.
+    fn evict_oldest_half(&self) {
+        let Some(_evicting) = self.evicting.try_lock() else {
+            return;
+        };
+        let live = self.entries.load(Relaxed) as u64;
+        let floor = self.seq.load(Relaxed).saturating_sub(live / 2);
+        self.buckets.retain(|_, bucket| {
+            bucket.retain(|e| {
+                let keep = e.seq >= floor;
+                if !keep {
+                    self.forget(e);
+                }
+                keep
+            });
+            !bucket.is_empty()
         });
     }
 }
@@ -186,7 +238,7 @@ pub(super) struct Walked<'a> {
     pub messages: Vec<Message<'a>>,
     /// The state the messages continue, when resumed: it, the hash of the body up to the
     /// offset it stands for, and that offset.
-    resumed: Option<(Box<Saved>, Xxh3Default, usize)>,
+    resumed: Option<(Box<Saved>, Xxh3, usize)>,
     /// Where the messages array's last message ends (0 when it has none).
     pub end: usize,
     /// `model` and `stream` seen before the messages, for the next body's saved state.
@@ -237,7 +289,7 @@ impl<'a> Walked<'a> {
             None => {
                 let mut sum = Summarizer::new(keep, with_key, body.len());
                 sum.push(TAG_CHAT);
-                (sum, Xxh3Default::new(), 0)
+                (sum, prefix_hasher(), 0)
             }
         };
         for m in &self.messages {
@@ -252,7 +304,7 @@ impl<'a> Walked<'a> {
                 with_key,
                 before: self.before,
             });
-            cache.put(body, self.end, hasher.digest(), saved);
+            cache.put(body, self.end, hasher.digest128(), saved);
         }
         Some(sum.finish())
     }
@@ -421,6 +473,9 @@ impl<'a> Walker<'a> {
 
     fn message(&mut self) -> Option<()> {
         let (m, at) = value::<Message>(self.body, self.pos)?;
+        if nested_deeper_than(&self.body[self.pos..at], MESSAGE_MAX_DEPTH) {
+            return None;
+        }
         self.messages.as_mut()?.push(m);
         self.pos = at;
         self.end = at;
@@ -433,6 +488,45 @@ fn value<'a, T: Deserialize<'a>>(body: &'a [u8], pos: usize) -> Option<(T, usize
     let mut values = serde_json::Deserializer::from_slice(body.get(pos..)?).into_iter::<T>();
     let v = values.next()?.ok()?;
     Some((v, pos + values.byte_offset()))
+}
+
+/// Whether the JSON value `bytes` nests arrays and objects more than `max` deep. Exact on
+/// the brackets outside strings, so it also counts values the parse skips without a limit
+/// (unknown members): a value it flags goes to the whole parse, which decides. Counts the
+/// brackets first: a value with `max` of them or fewer cannot be that deep.
+fn nested_deeper_than(bytes: &[u8], max: usize) -> bool {
+    if memchr::memchr2_iter(b'[', b'{', bytes).count() <= max {
+        return false;
+    }
+    let (mut depth, mut i, mut in_string) = (0usize, 0, false);
+    while i < bytes.len() {
+        if in_string {
+            let Some(j) = memchr::memchr2(b'"', b'\\', &bytes[i..]) else {
+                break;
+            };
+            if bytes[i + j] == b'\\' {
+                // An escape: the byte after it is part of the string.
+                i += j + 2;
+            } else {
+                i += j + 1;
+                in_string = false;
+            }
+            continue;
+        }
+        match bytes[i] {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    false
 }
 
 /// `pos` past any JSON whitespace.
@@ -491,6 +585,12 @@ mod tests {
         );
         let s = w.summary(body, keep, true, cache).expect("same options");
         (s, model, span, stream, resumed)
+    }
+
+    /// The summary through the gateway's path (walk or whole parse, whichever applies).
+    fn resuming(body: &[u8], cache: &ResumeCache) -> PromptSummary {
+        let mut p = RequestBody::parse_resuming(Endpoint::Chat, body, None, cache, 0).unwrap();
+        p.summary_with(64, true, cache)
     }
 
     fn whole(body: &[u8], keep: usize) -> (PromptSummary, String, std::ops::Range<usize>, bool) {
@@ -671,6 +771,106 @@ mod tests {
             assert!(cache.bytes() <= 64 << 10, "{}", cache.bytes());
         }
         assert!(cache.bytes() > 0);
+    }
+
+    /// Two 3,000-byte bodies that differ in two bytes yet hash alike under XXH3's public
+    /// default secret (each changed word's high half equals the secret's there, so its
+    /// product vanishes and the two changes cancel). The second is invalid JSON.
+    fn colliding_under_the_default_secret(a0: u8, b0: u8) -> Vec<u8> {
+        let mut b = br#"{"model":"m","messages":[{"role":"system","content":""#.to_vec();
+        b.resize(3000, b'x');
+        b[1472..1480].copy_from_slice(&[a0, b'a', b'a', 0xc2, 0x81, 0x3a, 0x26, 0x4c]);
+        b[1920..1928].copy_from_slice(&[b0, b'b', b'b', b'b', 0xcd, 0xb4, 0x59, 0x31]);
+        b.extend_from_slice(br#""},{"role":"user","content":"q"}"#);
+        b
+    }
+
+    #[test]
+    fn a_body_aimed_at_another_conversations_state_does_not_resume() {
+        let (p, q) = (
+            colliding_under_the_default_secret(b'!', b'#'),
+            colliding_under_the_default_secret(b'"', b'"'),
+        );
+        assert_eq!(xxh3_64(&p), xxh3_64(&q), "the construction collides");
+        let cache = ResumeCache::default();
+        let mut first = p.clone();
+        first.extend_from_slice(b"]}");
+        walked(&first, &cache, 64);
+        let mut aimed = q;
+        aimed.extend_from_slice(
+            br#",{"role":"assistant","content":"a"},{"role":"user","content":"q2"}], "stream": true}"#,
+        );
+        assert!(walk(&aimed, &cache).is_none());
+        assert!(RequestBody::parse_resuming(Endpoint::Chat, &aimed, None, &cache, 0).is_err());
+    }
+
+    /// A message parsed on its own is two levels shallower than in the whole body: a
+    /// message nested to the whole parse's limit goes to the whole parse.
+    #[test]
+    fn nesting_is_limited_as_in_the_whole_parse() {
+        let cache = ResumeCache::default();
+        let system = json!({"role": "system", "content": "s".repeat(1500)});
+        for d in 118..=130 {
+            let deep = format!("{}{}", "[".repeat(d), "]".repeat(d));
+            let user = format!(r#"{{"role":"user","content":[{{"type":"image","p":{deep}}}]}}"#);
+            let b = format!(r#"{{"model":"m","messages":[{system},{user}]}}"#).into_bytes();
+            let err =
+                |r: Result<RequestBody, crate::prompt::PromptError>| r.err().map(|e| e.to_string());
+            let resumed = RequestBody::parse_resuming(Endpoint::Chat, &b, None, &cache, 0);
+            let whole = RequestBody::parse(Endpoint::Chat, &b);
+            let (resumed_ok, whole_ok) = (resumed.is_ok(), whole.is_ok());
+            assert_eq!(err(resumed), err(whole), "depth {d}");
+            assert_eq!(resumed_ok, whole_ok, "depth {d}");
+            if whole_ok {
+                assert_eq!(walked(&b, &cache, 64).0, self::whole(&b, 64).0, "depth {d}");
+            }
+        }
+        // Unknown members are skipped without a limit, in both parses.
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let b = format!(
+            r#"{{"model":"m","messages":[{system},{{"role":"user","content":"q","x":{deep}}}],"y":{deep}}}"#
+        );
+        assert!(RequestBody::parse(Endpoint::Chat, b.as_bytes()).is_ok());
+        assert_eq!(
+            resuming(b.as_bytes(), &cache),
+            self::whole(b.as_bytes(), 64).0
+        );
+        assert!(nested_deeper_than(br#"[["]]]]]]", [[[]]]]"#, 4));
+        assert!(!nested_deeper_than(br#"[["[[[[[[", "\"[[[[["]]"#, 2));
+    }
+
+    #[test]
+    fn a_full_cache_makes_room_for_new_conversations_and_keeps_no_empty_buckets() {
+        let cache = ResumeCache::new(200 << 10);
+        let one_off = |i: usize| {
+            let msgs = [json!({"role": "system", "content": format!("{i} {}", "s".repeat(8000))})];
+            body(&[("model", json!("m").to_string())], &msgs, &[])
+        };
+        for i in 0..400 {
+            walked(&one_off(i), &cache, 64);
+            assert!(cache.bytes() <= 200 << 10);
+        }
+        assert!(cache.buckets.len() <= cache.entries.load(Relaxed));
+        let mut msgs = vec![json!({"role": "system", "content": "c".repeat(8000)})];
+        let mut resumed = 0;
+        for t in 0..10 {
+            msgs.extend(turn(t, "x"));
+            resumed += usize::from(
+                walked(
+                    &body(&[("model", json!("m").to_string())], &msgs, &[]),
+                    &cache,
+                    64,
+                )
+                .4,
+            );
+        }
+        assert_eq!(resumed, 9);
+        // A budget too small for any state keeps nothing, and no bucket.
+        let tiny = ResumeCache::new(1);
+        for i in 0..50 {
+            walked(&one_off(i), &tiny, 64);
+        }
+        assert_eq!((tiny.bytes(), tiny.buckets.len()), (0, 0));
     }
 
     proptest::proptest! {
