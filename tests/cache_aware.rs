@@ -20,6 +20,17 @@ fn conversation(system: &str, conv: usize, turns: usize) -> String {
     serde_json::json!({"model": "alias", "messages": messages}).to_string()
 }
 
+/// Stubs "a" and "b" behind a gateway routing `alias` by cache_aware.
+async fn two_replicas() -> ([Stub; 2], Gateway) {
+    let stubs = [
+        Stub::start("a").await.unwrap(),
+        Stub::start("b").await.unwrap(),
+    ];
+    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
+    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    (stubs, gw)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_stick_to_their_replica_and_spread_across_the_fleet() {
     let stubs = [
@@ -68,12 +79,7 @@ async fn conversations_stick_to_their_replica_and_spread_across_the_fleet() {
 /// store and look up the same prompt key).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica() {
-    let stubs = [
-        Stub::start("a").await.unwrap(),
-        Stub::start("b").await.unwrap(),
-    ];
-    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
-    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    let (_stubs, gw) = two_replicas().await;
     for conv in 0..4 {
         // ~31 KiB of system prompt: the first turn is kept, later turns are summarised.
         let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(2600));
@@ -108,12 +114,7 @@ async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica()
 /// that replica, whether the body names its model before or after its messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumed_long_conversations_keep_their_replica_and_their_model() {
-    let stubs = [
-        Stub::start("a").await.unwrap(),
-        Stub::start("b").await.unwrap(),
-    ];
-    let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
-    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    let (_stubs, gw) = two_replicas().await;
     for conv in 0..4 {
         let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(3000));
         let body = |turns| {
