@@ -75,9 +75,11 @@ pub(super) struct Saved {
 }
 
 impl Saved {
-    /// What holding this state costs: its key and its own size (not the map's overhead).
+    /// What holding this state costs: its key, its own size and its entry's (a bucket's
+    /// spare room is kept below its entries' by `shrink`; the map's own overhead is not
+    /// counted).
     fn bytes(&self) -> usize {
-        self.sum.key_bytes() + std::mem::size_of::<Saved>()
+        self.sum.key_bytes() + std::mem::size_of::<Saved>() + std::mem::size_of::<Entry>()
     }
 }
 
@@ -160,6 +162,7 @@ impl ResumeCache {
         let i = bucket.iter().position(|e| e.seq == seq)?;
         let e = bucket.remove(i);
         self.forget(&e);
+        shrink(&mut bucket);
         if bucket.is_empty() {
             drop(bucket);
             self.buckets.remove_if(&key, |_, b| b.is_empty());
@@ -220,8 +223,17 @@ impl ResumeCache {
                 }
                 keep
             });
+            shrink(bucket);
             !bucket.is_empty()
         });
+    }
+}
+
+/// Give back a bucket's room once it holds under a quarter of it: the budget counts
+/// entries, not the room emptied buckets would keep.
+fn shrink(bucket: &mut Vec<Entry>) {
+    if bucket.capacity() > 4 * bucket.len().max(4) {
+        bucket.shrink_to(2 * bucket.len());
     }
 }
 
@@ -865,6 +877,41 @@ mod tests {
             );
         }
         assert_eq!(resumed, 9);
+        // States taken and not saved again give back their bucket's room.
+        let full = ResumeCache::default();
+        let system = json!({"role": "system", "content": "p".repeat(2000)});
+        let bodies: Vec<Vec<u8>> = (0..BUCKET_ENTRIES)
+            .map(|i| {
+                let user = json!({"role": "user", "content": i.to_string()});
+                body(
+                    &[("model", json!("m").to_string())],
+                    &[system.clone(), user],
+                    &[],
+                )
+            })
+            .collect();
+        for b in &bodies {
+            walked(b, &full, 64);
+        }
+        assert_eq!(full.entries.load(Relaxed), BUCKET_ENTRIES);
+        for b in &bodies {
+            // Resumes at the end of `b`'s messages, then fails the walk: taken, not saved.
+            let mut broken = b[..b.len() - 2].to_vec();
+            broken.extend_from_slice(b",x]}");
+            assert!(walk(&broken, &full).is_none());
+        }
+        assert_eq!((full.entries.load(Relaxed), full.bytes()), (0, 0));
+        assert_eq!(full.buckets.len(), 0);
+        for b in &bodies[..BUCKET_ENTRIES / 2] {
+            walked(b, &full, 64);
+        }
+        for b in &bodies[..BUCKET_ENTRIES / 2 - 3] {
+            let mut broken = b[..b.len() - 2].to_vec();
+            broken.extend_from_slice(b",x]}");
+            walk(&broken, &full);
+        }
+        let room: usize = full.buckets.iter().map(|b| b.capacity()).sum();
+        assert!(room <= 4 * 4, "room for {room} entries kept for 3");
         // A budget too small for any state keeps nothing, and no bucket.
         let tiny = ResumeCache::new(1);
         for i in 0..50 {
