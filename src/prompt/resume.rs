@@ -248,8 +248,8 @@ pub(super) struct Walked<'a> {
     pub stream: bool,
     /// The messages parsed (those after the resumed offset when resumed).
     pub messages: Vec<Message<'a>>,
-    /// The state the messages continue, when resumed: it, the hash of the body up to the
-    /// offset it stands for, and that offset.
+    /// When resumed: the saved state the walk continued from, a hasher that has hashed the
+    /// body up to that state's offset, and the offset.
     resumed: Option<(Box<Saved>, Xxh3, usize)>,
     /// Where the messages array's last message ends (0 when it has none).
     pub end: usize,
