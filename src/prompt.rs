@@ -547,6 +547,16 @@ impl<'a> RequestBody<'a> {
         self.summary(keep, with_key)
     }
 
+    /// For a walked body whose route reads no summary: keep where its messages end in
+    /// `cache`, so the conversation's next body resumes its walk there.
+    pub fn remember_walk(&mut self, cache: &resume::ResumeCache) {
+        if let BodyContent::Walked(walked) = &mut self.content {
+            if let Some(w) = walked.take() {
+                w.remember(self.body, cache);
+            }
+        }
+    }
+
     /// Whether this body's parse resumed where its conversation's previous body ended.
     pub fn resumed(&self) -> bool {
         matches!(&self.content, BodyContent::Walked(Some(w)) if w.is_resumed())

@@ -20,14 +20,14 @@ fn conversation(system: &str, conv: usize, turns: usize) -> String {
     serde_json::json!({"model": "alias", "messages": messages}).to_string()
 }
 
-/// Stubs "a" and "b" behind a gateway routing `alias` by cache_aware.
-async fn two_replicas() -> ([Stub; 2], Gateway) {
+/// Stubs "a" and "b" behind a gateway routing `alias` by `strategy`.
+async fn two_replicas(strategy: &str) -> ([Stub; 2], Gateway) {
     let stubs = [
         Stub::start("a").await.unwrap(),
         Stub::start("b").await.unwrap(),
     ];
     let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
-    let gw = Gateway::start(&routes_toml(&urls, "cache_aware", "")).await;
+    let gw = Gateway::start(&routes_toml(&urls, strategy, "")).await;
     (stubs, gw)
 }
 
@@ -79,7 +79,7 @@ async fn conversations_stick_to_their_replica_and_spread_across_the_fleet() {
 /// store and look up the same prompt key).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica() {
-    let (_stubs, gw) = two_replicas().await;
+    let (_stubs, gw) = two_replicas("cache_aware").await;
     for conv in 0..4 {
         // ~31 KiB of system prompt: the first turn is kept, later turns are summarised.
         let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(2600));
@@ -114,7 +114,7 @@ async fn conversations_crossing_into_summarised_lengths_stick_to_their_replica()
 /// that replica, whether the body names its model before or after its messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumed_long_conversations_keep_their_replica_and_their_model() {
-    let (_stubs, gw) = two_replicas().await;
+    let (_stubs, gw) = two_replicas("cache_aware").await;
     for conv in 0..4 {
         let system = format!("You are assistant {conv}. {}", "Be helpful. ".repeat(3000));
         let body = |turns| {
@@ -146,4 +146,25 @@ async fn resumed_long_conversations_keep_their_replica_and_their_model() {
     // Turns 1-3 of each conversation resumed.
     let resumed = gw.metric("rolter_prompts_resumed_total").await;
     assert_eq!(resumed, Some(12.0));
+}
+
+/// A route that reads no prompt (round_robin) resumes long conversations' walks too, and
+/// each turn still reaches its replica with that replica's model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_reading_no_prompt_resumes_the_walk_and_keeps_the_model() {
+    let (_stubs, gw) = two_replicas("round_robin").await;
+    let system = format!("You are brief. {}", "Be helpful. ".repeat(3000));
+    for turns in 0..4 {
+        let (status, id, text) = post_chat(&gw, conversation(&system, 0, turns)).await;
+        assert_eq!(status, 200, "{text}");
+        let reply: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let expected = if id.as_deref() == Some("a") {
+            "upstream-model-0"
+        } else {
+            "upstream-model-1"
+        };
+        assert_eq!(reply["model"], expected, "turn {turns}");
+    }
+    let resumed = gw.metric("rolter_prompts_resumed_total").await;
+    assert_eq!(resumed, Some(3.0));
 }

@@ -66,8 +66,9 @@ struct Before {
 /// The parse of a body's top level at the end of its messages array.
 #[derive(Clone)]
 pub(super) struct Saved {
-    /// The summariser after the last message (its options: `keep`, key or not).
-    sum: Summarizer,
+    /// The summariser after the last message (its options: `keep`, key or not); none when
+    /// saved by a route that reads no summary (the walk's position alone).
+    sum: Option<Summarizer>,
     keep: usize,
     with_key: bool,
     /// `model` and `stream` when they came before the messages.
@@ -79,7 +80,9 @@ impl Saved {
     /// spare room is kept below its entries' by `shrink`; the map's own overhead is not
     /// counted).
     fn bytes(&self) -> usize {
-        self.sum.key_bytes() + std::mem::size_of::<Saved>() + std::mem::size_of::<Entry>()
+        self.sum.as_ref().map_or(0, Summarizer::key_bytes)
+            + std::mem::size_of::<Saved>()
+            + std::mem::size_of::<Entry>()
     }
 }
 
@@ -281,7 +284,8 @@ impl<'a> Walked<'a> {
     /// The summary of the whole body's prompt (at most `keep` bytes of each of the first
     /// two messages hashed; the key when `with_key`), saving the state at the end of the
     /// messages in `cache` for the conversation's next turn. `None` when the resumed
-    /// state was made with other options (the caller then parses the body whole).
+    /// state was made with other options or without a summariser (the caller then parses
+    /// the body whole).
     pub fn summary(
         self,
         body: &[u8],
@@ -291,10 +295,10 @@ impl<'a> Walked<'a> {
     ) -> Option<PromptSummary> {
         let (mut sum, mut hasher, hashed) = match self.resumed {
             Some((saved, hasher, at)) => {
-                if (saved.keep, saved.with_key) != (keep, with_key) {
-                    return None;
-                }
-                let mut sum = saved.sum;
+                let sum = saved
+                    .sum
+                    .filter(|_| (saved.keep, saved.with_key) == (keep, with_key));
+                let mut sum = sum?;
                 sum.reserve_key(body.len());
                 (sum, hasher, at)
             }
@@ -311,7 +315,7 @@ impl<'a> Walked<'a> {
         if self.end >= BUCKET_KEY_BYTES {
             hasher.update(&body[hashed..self.end]);
             let saved = Box::new(Saved {
-                sum: sum.clone(),
+                sum: Some(sum.clone()),
                 keep,
                 with_key,
                 before: self.before,
@@ -319,6 +323,29 @@ impl<'a> Walked<'a> {
             cache.put(body, self.end, hasher.digest128(), saved);
         }
         Some(sum.finish())
+    }
+}
+
+impl Walked<'_> {
+    /// Save the walk's position at the end of the messages in `cache`, for a route that
+    /// reads no summary: the conversation's next body resumes its walk there (and a route
+    /// that does want a summary then parses that body whole).
+    pub fn remember(self, body: &[u8], cache: &ResumeCache) {
+        if self.end < BUCKET_KEY_BYTES {
+            return;
+        }
+        let (mut hasher, hashed) = match self.resumed {
+            Some((_, hasher, at)) => (hasher, at),
+            None => (prefix_hasher(), 0),
+        };
+        hasher.update(&body[hashed..self.end]);
+        let saved = Box::new(Saved {
+            sum: None,
+            keep: 0,
+            with_key: false,
+            before: self.before,
+        });
+        cache.put(body, self.end, hasher.digest128(), saved);
     }
 }
 
@@ -660,6 +687,38 @@ mod tests {
                 msgs.extend(turn(i, &"words \u{1d} ".repeat(i * 7)));
             }
         }
+    }
+
+    /// A route that reads no summary saves the walk's position alone: the next body's walk
+    /// resumes from it, and a summary asked of such a body comes from the whole parse.
+    #[test]
+    fn a_position_saved_without_a_summariser_resumes_the_walk_only() {
+        let cache = ResumeCache::default();
+        let model = [("model", json!("m").to_string())];
+        let mut msgs = vec![
+            json!({"role": "system", "content": "s".repeat(1500)}),
+            json!({"role": "user", "content": "q"}),
+        ];
+        let mut bodies = Vec::new();
+        for t in 0..3 {
+            bodies.push(body(&model, &msgs, &[("stream", "true".into())]));
+            msgs.extend(turn(t, "x"));
+        }
+        let w = walk(&bodies[0], &cache).unwrap();
+        assert!(!w.is_resumed());
+        w.remember(&bodies[0], &cache);
+        let w = walk(&bodies[1], &cache).unwrap();
+        assert!(w.is_resumed());
+        let whole1 = RequestBody::parse(Endpoint::Chat, &bodies[1]).unwrap();
+        assert_eq!(
+            (&w.model, &w.model_span, w.stream),
+            (&whole1.model, &whole1.model_span, whole1.stream)
+        );
+        w.remember(&bodies[1], &cache);
+        let mut p =
+            RequestBody::parse_resuming(Endpoint::Chat, &bodies[2], None, &cache, 0).unwrap();
+        assert!(p.resumed());
+        assert_eq!(p.summary_with(64, true, &cache), whole(&bodies[2], 64).0);
     }
 
     #[test]

@@ -276,6 +276,9 @@ impl Gateway {
                 &self.resume,
             )
         });
+        if summary.is_none() {
+            parsed.remember_walk(&self.resume);
+        }
         let model = if parsed.model_is_json {
             ModelRewrite::Json(parsed.model_span.clone())
         } else {
