@@ -402,7 +402,6 @@ pub struct RequestBody<'a> {
     pub previous_response_id: Option<String>,
     content: BodyContent<'a>,
     body: &'a [u8],
-    body_len: usize,
 }
 
 enum BodyContent<'a> {
@@ -456,7 +455,6 @@ impl<'a> RequestBody<'a> {
                 previous_response_id: None,
                 content: BodyContent::None,
                 body,
-                body_len: body.len(),
             });
         }
         let mut previous_response_id = None;
@@ -496,7 +494,6 @@ impl<'a> RequestBody<'a> {
             previous_response_id,
             content,
             body,
-            body_len: body.len(),
         })
     }
 
@@ -522,7 +519,6 @@ impl<'a> RequestBody<'a> {
                 previous_response_id: None,
                 content: BodyContent::Walked(Some(Box::new(w))),
                 body,
-                body_len: body.len(),
             }),
             None => Self::parse_with(endpoint, body, content_type),
         }
@@ -577,7 +573,7 @@ impl<'a> RequestBody<'a> {
 
     /// The prompt bytes (see module docs).
     pub fn prompt(&self) -> Vec<u8> {
-        let mut prompt = Vec::with_capacity(self.body_len);
+        let mut prompt = Vec::with_capacity(self.body.len());
         self.encode(&mut prompt);
         prompt
     }
@@ -585,7 +581,7 @@ impl<'a> RequestBody<'a> {
     /// What routing needs of the prompt bytes, without keeping them: their length, their
     /// key (when `with_key`) and at most `keep` bytes of each of the first two messages.
     pub fn summary(&self, keep: usize, with_key: bool) -> PromptSummary {
-        let mut s = summary::Summarizer::new(keep, with_key, self.body_len);
+        let mut s = summary::Summarizer::new(keep, with_key, self.body.len());
         self.encode(&mut s);
         s.finish()
     }

@@ -293,7 +293,7 @@ impl<'a> Walked<'a> {
         with_key: bool,
         cache: &ResumeCache,
     ) -> Option<PromptSummary> {
-        let (mut sum, mut hasher, hashed) = match self.resumed {
+        let (mut sum, hasher, hashed) = match self.resumed {
             Some((saved, hasher, at)) => {
                 let sum = saved
                     .sum
@@ -311,55 +311,63 @@ impl<'a> Walked<'a> {
         for m in &self.messages {
             encode_message(&mut sum, m);
         }
-        // Saved again even when no message was added (a retried body), as `take` removed it.
-        if self.end >= BUCKET_KEY_BYTES {
-            hasher.update(&body[hashed..self.end]);
-            let saved = Box::new(Saved {
-                sum: Some(sum.clone()),
-                keep,
-                with_key,
-                before: self.before,
-            });
-            cache.put(body, self.end, hasher.digest128(), saved);
-        }
+        let saved = Saved {
+            sum: Some(sum.clone()),
+            keep,
+            with_key,
+            before: self.before,
+        };
+        save(body, self.end, hasher, hashed, saved, cache);
         Some(sum.finish())
     }
-}
 
-impl Walked<'_> {
     /// Save the walk's position at the end of the messages in `cache`, for a route that
     /// reads no summary: the conversation's next body resumes its walk there (and a route
     /// that does want a summary then parses that body whole).
     pub fn remember(self, body: &[u8], cache: &ResumeCache) {
-        if self.end < BUCKET_KEY_BYTES {
-            return;
-        }
-        let (mut hasher, hashed) = match self.resumed {
+        let (hasher, hashed) = match self.resumed {
             Some((_, hasher, at)) => (hasher, at),
             None => (prefix_hasher(), 0),
         };
-        hasher.update(&body[hashed..self.end]);
-        let saved = Box::new(Saved {
+        let saved = Saved {
             sum: None,
             keep: 0,
             with_key: false,
             before: self.before,
-        });
-        cache.put(body, self.end, hasher.digest128(), saved);
+        };
+        save(body, self.end, hasher, hashed, saved, cache);
     }
+}
+
+/// Keep `saved`, the state of `body` at `end` (its messages' end), in `cache`; `hasher` has
+/// hashed `body` up to `hashed`. Saved again even when no message was added (a retried
+/// body), as `take` removed it.
+fn save(
+    body: &[u8],
+    end: usize,
+    mut hasher: Xxh3,
+    hashed: usize,
+    saved: Saved,
+    cache: &ResumeCache,
+) {
+    if end < BUCKET_KEY_BYTES {
+        return;
+    }
+    hasher.update(&body[hashed..end]);
+    cache.put(body, end, hasher.digest128(), Box::new(saved));
 }
 
 /// The walk's position in the body's top-level object.
 struct Walker<'a> {
     body: &'a [u8],
     pos: usize,
-    model: Option<(String, std::ops::Range<usize>)>,
-    stream: Option<Option<bool>>,
+    /// `model` and `stream` seen so far.
+    seen: Before,
+    /// Present once the walk is inside (or past) the messages array.
     messages: Option<Vec<Message<'a>>>,
     end: usize,
+    /// What `seen` was when the messages array began.
     before: Before,
-    /// Resumed inside the messages array, after a message.
-    resumed: bool,
 }
 
 impl<'a> Walker<'a> {
@@ -368,12 +376,10 @@ impl<'a> Walker<'a> {
         (body.get(pos) == Some(&b'{')).then_some(Walker {
             body,
             pos: pos + 1,
-            model: None,
-            stream: None,
+            seen: Before::default(),
             messages: None,
             end: 0,
             before: Before::default(),
-            resumed: false,
         })
     }
 
@@ -381,17 +387,16 @@ impl<'a> Walker<'a> {
         Walker {
             body,
             pos: at,
-            model: before.model.clone(),
-            stream: before.stream,
+            seen: before.clone(),
             messages: Some(Vec::new()),
             end: at,
             before,
-            resumed: true,
         }
     }
 
     fn run(mut self) -> Option<Walked<'a>> {
-        if self.resumed {
+        if self.messages.is_some() {
+            // Resumed inside the messages array, after a message.
             self.rest_of_messages()?;
             if !self.after_member()? {
                 self.members()?;
@@ -400,11 +405,11 @@ impl<'a> Walker<'a> {
             // An empty object has no model: the whole parse reports it.
             self.members()?;
         }
-        let (model, model_span) = self.model?;
+        let (model, model_span) = self.seen.model?;
         Some(Walked {
             model,
             model_span,
-            stream: self.stream.flatten().unwrap_or(false),
+            stream: self.seen.stream.flatten().unwrap_or(false),
             messages: self.messages?,
             resumed: None,
             end: self.end,
@@ -426,10 +431,7 @@ impl<'a> Walker<'a> {
                     if self.messages.is_some() {
                         return None;
                     }
-                    self.before = Before {
-                        model: self.model.clone(),
-                        stream: self.stream,
-                    };
+                    self.before = self.seen.clone();
                     self.pos = ws(self.body, self.pos);
                     if self.body.get(self.pos) != Some(&b'[') {
                         return None;
@@ -439,21 +441,21 @@ impl<'a> Walker<'a> {
                     self.first_message()?;
                 }
                 "model" => {
-                    if self.model.is_some() {
+                    if self.seen.model.is_some() {
                         return None;
                     }
                     let (raw, at) = value::<&RawValue>(self.body, self.pos)?;
                     let model: String = serde_json::from_str(raw.get()).ok()?;
                     let start = raw.get().as_ptr() as usize - self.body.as_ptr() as usize;
-                    self.model = Some((model, start..start + raw.get().len()));
+                    self.seen.model = Some((model, start..start + raw.get().len()));
                     self.pos = at;
                 }
                 "stream" => {
-                    if self.stream.is_some() {
+                    if self.seen.stream.is_some() {
                         return None;
                     }
                     let (stream, at) = value::<Option<bool>>(self.body, self.pos)?;
-                    self.stream = Some(stream);
+                    self.seen.stream = Some(stream);
                     self.pos = at;
                 }
                 _ => self.pos = value::<IgnoredAny>(self.body, self.pos)?.1,
