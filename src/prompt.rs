@@ -499,7 +499,9 @@ impl<'a> RequestBody<'a> {
 
     /// [`RequestBody::parse_with`], but a chat body of at least `walk_from` bytes is walked
     /// member by member, resuming where a previous body in `cache` ended when it starts
-    /// with that body's bytes, for [`RequestBody::summary_with`].
+    /// with that body's bytes, for [`RequestBody::summary_with`]. (The gateway, whose body
+    /// is in pieces, takes the saved state itself and calls [`RequestBody::parse_resumed`]
+    /// or [`RequestBody::parse_walking`].)
     pub fn parse_resuming(
         endpoint: Endpoint,
         body: &'a [u8],
@@ -507,40 +509,80 @@ impl<'a> RequestBody<'a> {
         cache: &resume::ResumeCache,
         walk_from: usize,
     ) -> Result<Self, PromptError> {
+        if endpoint == Endpoint::Chat && body.len() >= walk_from {
+            if let Some(taken) = cache.take(crate::pieces::Pieces::one(body)) {
+                let at = taken.at();
+                if let Some(resumed) = Self::parse_resumed(&body[at..], taken) {
+                    return Ok(resumed);
+                }
+                return Self::parse_with(endpoint, body, content_type);
+            }
+        }
+        Self::parse_walking(endpoint, body, content_type, walk_from)
+    }
+
+    /// A chat body walked from where `taken` (from [`resume::ResumeCache::take`]) was
+    /// saved: `rest` is the body from `taken.at()` on. `None` when the walk meets anything
+    /// it does not expect: the caller then parses the whole body, which decides.
+    pub fn parse_resumed(rest: &'a [u8], taken: resume::Taken) -> Option<Self> {
+        resume::walk_resumed(rest, taken).map(|w| Self::walked(w, rest))
+    }
+
+    /// [`RequestBody::parse_with`], but a chat body of at least `walk_from` bytes is walked
+    /// member by member from its start, for [`RequestBody::summary_with`] (which saves its
+    /// state for the conversation's next body).
+    pub fn parse_walking(
+        endpoint: Endpoint,
+        body: &'a [u8],
+        content_type: Option<&[u8]>,
+        walk_from: usize,
+    ) -> Result<Self, PromptError> {
         if endpoint != Endpoint::Chat || body.len() < walk_from {
             return Self::parse_with(endpoint, body, content_type);
         }
-        match resume::walk(body, cache) {
-            Some(w) => Ok(RequestBody {
-                model: w.model.clone(),
-                model_span: w.model_span.clone(),
-                stream: w.stream,
-                model_is_json: true,
-                previous_response_id: None,
-                content: BodyContent::Walked(Some(Box::new(w))),
-                body,
-            }),
+        match resume::walk_whole(body) {
+            Some(w) => Ok(Self::walked(w, body)),
             None => Self::parse_with(endpoint, body, content_type),
+        }
+    }
+
+    /// A walked body; `read` is what the walk read (the whole body, or its part from the
+    /// resumed offset on).
+    fn walked(w: resume::Walked<'a>, read: &'a [u8]) -> Self {
+        RequestBody {
+            model: w.model.clone(),
+            model_span: w.model_span.clone(),
+            stream: w.stream,
+            model_is_json: true,
+            previous_response_id: None,
+            content: BodyContent::Walked(Some(Box::new(w))),
+            body: read,
         }
     }
 
     /// [`RequestBody::summary`], for a walked body from where its conversation's previous
     /// body ended, keeping the state at the end of its messages in `cache` for the next.
+    /// `None` only for a body resumed from a state saved with other options (or by a
+    /// route that reads no summary): the caller then parses the whole body.
     pub fn summary_with(
         &mut self,
         keep: usize,
         with_key: bool,
         cache: &resume::ResumeCache,
-    ) -> PromptSummary {
-        if let BodyContent::Walked(walked) = &mut self.content {
-            if let Some(s) = walked
-                .take()
-                .and_then(|w| w.summary(self.body, keep, with_key, cache))
-            {
-                return s;
+    ) -> Option<PromptSummary> {
+        if let BodyContent::Walked(Some(w)) = &mut self.content {
+            let resumed = w.is_resumed();
+            let w = std::mem::replace(&mut self.content, BodyContent::Walked(None));
+            let BodyContent::Walked(Some(w)) = w else {
+                unreachable!("matched above")
+            };
+            match w.summary(self.body, keep, with_key, cache) {
+                Some(s) => return Some(s),
+                None if resumed => return None,
+                None => {}
             }
         }
-        self.summary(keep, with_key)
+        Some(self.summary(keep, with_key))
     }
 
     /// For a walked body whose route reads no summary: keep where its messages end in
@@ -558,8 +600,10 @@ impl<'a> RequestBody<'a> {
         matches!(&self.content, BodyContent::Walked(Some(w)) if w.is_resumed())
     }
 
-    /// The body parsed whole (for a walked body's readers other than `summary_with`).
+    /// The body parsed whole (for a walked body's readers other than `summary_with`; not
+    /// for a resumed one, which holds only the body's part from its resumed offset on).
     fn whole(&self) -> Option<RequestBody<'a>> {
+        debug_assert!(!self.resumed(), "a resumed body's readers use summary_with");
         let whole = RequestBody::parse(Endpoint::Chat, self.body);
         debug_assert!(whole.is_ok(), "a walked body parses whole");
         whole.ok()

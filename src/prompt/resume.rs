@@ -23,6 +23,7 @@
 
 use super::summary::Summarizer;
 use super::{encode_message, Message, PromptSummary, Sink, Text, TAG_CHAT};
+use crate::pieces::Pieces;
 use dashmap::DashMap;
 use parking_lot::Mutex;
 use serde::de::IgnoredAny;
@@ -86,6 +87,25 @@ impl Saved {
     }
 }
 
+/// A saved state taken for a body that starts with the bytes it stands for: the walk
+/// resumes at `at` (only `body[at..]` need be contiguous).
+pub struct Taken {
+    at: usize,
+    /// The body's bucket and the `TAIL_BYTES` before `at`.
+    key: u64,
+    tail: [u8; TAIL_BYTES],
+    saved: Box<Saved>,
+    /// Has hashed the body up to `at`.
+    hasher: Xxh3,
+}
+
+impl Taken {
+    /// Where the body's walk resumes.
+    pub fn at(&self) -> usize {
+        self.at
+    }
+}
+
 struct Entry {
     at: usize,
     tail: [u8; TAIL_BYTES],
@@ -136,17 +156,22 @@ impl ResumeCache {
     /// the hash of `body` up to there (streaming, to be continued to the next offset). The
     /// prefixes are hashed outside the bucket's lock; the entry is then taken under it
     /// unless another request took it first.
-    fn take(&self, body: &[u8]) -> Option<(usize, Box<Saved>, Xxh3)> {
+    pub fn take(&self, body: Pieces<'_>) -> Option<Taken> {
         if body.len() <= BUCKET_KEY_BYTES {
             return None;
         }
         let key = bucket_key(body);
+        let tail_at = |at: usize| {
+            let mut tail = [0; TAIL_BYTES];
+            body.copy_to(at - TAIL_BYTES, &mut tail);
+            tail
+        };
         // (offset, prefix hash, entry id) of the entries whose tail bytes match, shortest first.
         let mut candidates: Vec<(usize, u128, u64)> = self
             .buckets
             .get(&key)?
             .iter()
-            .filter(|e| e.at < body.len() && body[e.at - TAIL_BYTES..e.at] == e.tail)
+            .filter(|e| e.at < body.len() && tail_at(e.at) == e.tail)
             .map(|e| (e.at, e.prefix_hash, e.seq))
             .collect();
         candidates.sort_unstable();
@@ -154,7 +179,9 @@ impl ResumeCache {
         let mut hashed = 0;
         let mut found = None;
         for &(at, prefix_hash, seq) in &candidates {
-            hasher.update(&body[hashed..at]);
+            for s in body.slices(hashed..at) {
+                hasher.update(s);
+            }
             hashed = at;
             if hasher.digest128() == prefix_hash {
                 found = Some((at, seq, hasher.clone()));
@@ -170,13 +197,27 @@ impl ResumeCache {
             drop(bucket);
             self.buckets.remove_if(&key, |_, b| b.is_empty());
         }
-        Some((at, e.saved, hasher))
+        Some(Taken {
+            at,
+            key,
+            tail: e.tail,
+            saved: e.saved,
+            hasher,
+        })
     }
 
-    /// Keep `saved`, the state of `body` at `at`, whose prefix hashes to `prefix_hash`.
-    fn put(&self, body: &[u8], at: usize, prefix_hash: u128, saved: Box<Saved>) {
+    /// Keep `saved`, the state at `at` of a body in bucket `key` whose `TAIL_BYTES` before
+    /// `at` are `tail` and whose prefix up to `at` hashes to `prefix_hash`.
+    fn put(
+        &self,
+        key: u64,
+        at: usize,
+        tail: [u8; TAIL_BYTES],
+        prefix_hash: u128,
+        saved: Box<Saved>,
+    ) {
         let size = saved.bytes();
-        if at < BUCKET_KEY_BYTES || at > body.len() || size > self.budget {
+        if at < BUCKET_KEY_BYTES || size > self.budget {
             return;
         }
         if self.bytes.load(Relaxed) + size > self.budget {
@@ -186,16 +227,13 @@ impl ResumeCache {
             }
         }
         let seq = self.seq.fetch_add(1, Relaxed);
-        let mut bucket = self.buckets.entry(bucket_key(body)).or_default();
+        let mut bucket = self.buckets.entry(key).or_default();
         if bucket.len() >= BUCKET_ENTRIES {
             let oldest = bucket.remove(0);
             self.forget(&oldest);
         }
         self.bytes.fetch_add(size, Relaxed);
         self.entries.fetch_add(1, Relaxed);
-        let tail = body[at - TAIL_BYTES..at]
-            .try_into()
-            .expect("TAIL_BYTES long");
         bucket.push(Entry {
             at,
             tail,
@@ -240,8 +278,8 @@ fn shrink(bucket: &mut Vec<Entry>) {
     }
 }
 
-fn bucket_key(body: &[u8]) -> u64 {
-    xxh3_64(&body[..BUCKET_KEY_BYTES])
+fn bucket_key(body: Pieces<'_>) -> u64 {
+    xxh3_64(&body.range(0..BUCKET_KEY_BYTES))
 }
 
 /// What the walk of a chat body found.
@@ -251,10 +289,10 @@ pub(super) struct Walked<'a> {
     pub stream: bool,
     /// The messages parsed (those after the resumed offset when resumed).
     pub messages: Vec<Message<'a>>,
-    /// When resumed: the saved state the walk continued from, a hasher that has hashed the
-    /// body up to that state's offset, and the offset.
-    resumed: Option<(Box<Saved>, Xxh3, usize)>,
-    /// Where the messages array's last message ends (0 when it has none).
+    /// When resumed: the saved state the walk continued from (the walk read only the body
+    /// from its offset on).
+    resumed: Option<Taken>,
+    /// Where the messages array's last message ends (0 when it has none), in the body.
     pub end: usize,
     /// `model` and `stream` seen before the messages, for the next body's saved state.
     before: Before,
@@ -263,16 +301,25 @@ pub(super) struct Walked<'a> {
 /// Walk `body` (a chat completion request) from where a previous body of `cache` ended,
 /// or from its start. `None` where the body is not a plain JSON object with one each of
 /// `model` and `messages` (the whole parse then decides, and reports the error).
+#[cfg(test)]
 pub(super) fn walk<'a>(body: &'a [u8], cache: &ResumeCache) -> Option<Walked<'a>> {
-    match cache.take(body) {
-        Some((at, saved, hasher)) => {
-            let before = saved.before.clone();
-            let mut walked = Walker::resume(body, at, before).run()?;
-            walked.resumed = Some((saved, hasher, at));
-            Some(walked)
-        }
-        None => Walker::start(body)?.run(),
+    match cache.take(Pieces::one(body)) {
+        Some(taken) => walk_resumed(&body[taken.at..], taken),
+        None => walk_whole(body),
     }
+}
+
+/// Walk a whole body from its start.
+pub(super) fn walk_whole(body: &[u8]) -> Option<Walked<'_>> {
+    Walker::start(body)?.run()
+}
+
+/// Walk a body from where `taken` was saved: `rest` is the body from `taken.at()` on.
+pub(super) fn walk_resumed(rest: &[u8], taken: Taken) -> Option<Walked<'_>> {
+    let before = taken.saved.before.clone();
+    let mut walked = Walker::resume(rest, taken.at, before).run()?;
+    walked.resumed = Some(taken);
+    Some(walked)
 }
 
 impl<'a> Walked<'a> {
@@ -283,29 +330,32 @@ impl<'a> Walked<'a> {
 
     /// The summary of the whole body's prompt (at most `keep` bytes of each of the first
     /// two messages hashed; the key when `with_key`), saving the state at the end of the
-    /// messages in `cache` for the conversation's next turn. `None` when the resumed
+    /// messages in `cache` for the conversation's next turn. `read` is what the walk read:
+    /// the body from the resumed offset on, or the whole body. `None` when the resumed
     /// state was made with other options or without a summariser (the caller then parses
     /// the body whole).
     pub fn summary(
         self,
-        body: &[u8],
+        read: &[u8],
         keep: usize,
         with_key: bool,
         cache: &ResumeCache,
     ) -> Option<PromptSummary> {
-        let (mut sum, hasher, hashed) = match self.resumed {
-            Some((saved, hasher, at)) => {
+        let len = self.base() + read.len();
+        let (mut sum, hasher, from) = match self.resumed {
+            Some(t) => {
+                let saved = t.saved;
                 let sum = saved
                     .sum
                     .filter(|_| (saved.keep, saved.with_key) == (keep, with_key));
                 let mut sum = sum?;
-                sum.reserve_key(body.len());
-                (sum, hasher, at)
+                sum.reserve_key(len);
+                (sum, t.hasher, Some((t.at, t.key, t.tail)))
             }
             None => {
-                let mut sum = Summarizer::new(keep, with_key, body.len());
+                let mut sum = Summarizer::new(keep, with_key, len);
                 sum.push(TAG_CHAT);
-                (sum, prefix_hasher(), 0)
+                (sum, prefix_hasher(), None)
             }
         };
         for m in &self.messages {
@@ -317,17 +367,17 @@ impl<'a> Walked<'a> {
             with_key,
             before: self.before,
         };
-        save(body, self.end, hasher, hashed, saved, cache);
+        save(read, from, self.end, hasher, saved, cache);
         Some(sum.finish())
     }
 
     /// Save the walk's position at the end of the messages in `cache`, for a route that
     /// reads no summary: the conversation's next body resumes its walk there (and a route
-    /// that does want a summary then parses that body whole).
-    pub fn remember(self, body: &[u8], cache: &ResumeCache) {
-        let (hasher, hashed) = match self.resumed {
-            Some((_, hasher, at)) => (hasher, at),
-            None => (prefix_hasher(), 0),
+    /// that does want a summary then parses that body whole). `read` as for `summary`.
+    pub fn remember(self, read: &[u8], cache: &ResumeCache) {
+        let (hasher, from) = match self.resumed {
+            Some(t) => (t.hasher, Some((t.at, t.key, t.tail))),
+            None => (prefix_hasher(), None),
         };
         let saved = Saved {
             sum: None,
@@ -335,31 +385,50 @@ impl<'a> Walked<'a> {
             with_key: false,
             before: self.before,
         };
-        save(body, self.end, hasher, hashed, saved, cache);
+        save(read, from, self.end, hasher, saved, cache);
+    }
+
+    /// Where the bytes the walk read start in the body.
+    fn base(&self) -> usize {
+        self.resumed.as_ref().map_or(0, |t| t.at)
     }
 }
 
-/// Keep `saved`, the state of `body` at `end` (its messages' end), in `cache`; `hasher` has
-/// hashed `body` up to `hashed`. Saved again even when no message was added (a retried
-/// body), as `take` removed it.
+/// Keep `saved`, the state at `end` (the messages' end) of a body of which `read` is the
+/// part from `from`'s offset on (with its bucket and the bytes before that offset) or the
+/// whole, in `cache`; `hasher` has hashed the body up to where `read` starts. Saved again
+/// even when no message was added (a retried body), as `take` removed it.
 fn save(
-    body: &[u8],
+    read: &[u8],
+    from: Option<(usize, u64, [u8; TAIL_BYTES])>,
     end: usize,
     mut hasher: Xxh3,
-    hashed: usize,
     saved: Saved,
     cache: &ResumeCache,
 ) {
     if end < BUCKET_KEY_BYTES {
         return;
     }
-    hasher.update(&body[hashed..end]);
-    cache.put(body, end, hasher.digest128(), Box::new(saved));
+    let base = from.map_or(0, |(at, _, _)| at);
+    hasher.update(&read[..end - base]);
+    let key = from.map_or_else(|| bucket_key(Pieces::one(read)), |(_, key, _)| key);
+    // The tail bytes before `end`; those before `read` starts are the resumed state's own.
+    let mut tail = [0; TAIL_BYTES];
+    for (i, t) in tail.iter_mut().enumerate() {
+        let pos = end - TAIL_BYTES + i;
+        *t = match from {
+            Some((at, _, before)) if pos < at => before[pos + TAIL_BYTES - at],
+            _ => read[pos - base],
+        };
+    }
+    cache.put(key, end, tail, hasher.digest128(), Box::new(saved));
 }
 
 /// The walk's position in the body's top-level object.
 struct Walker<'a> {
+    /// The bytes walked: the body from `base` on (positions below are in them).
     body: &'a [u8],
+    base: usize,
     pos: usize,
     /// `model` and `stream` seen so far.
     seen: Before,
@@ -375,6 +444,7 @@ impl<'a> Walker<'a> {
         let pos = ws(body, 0);
         (body.get(pos) == Some(&b'{')).then_some(Walker {
             body,
+            base: 0,
             pos: pos + 1,
             seen: Before::default(),
             messages: None,
@@ -383,13 +453,15 @@ impl<'a> Walker<'a> {
         })
     }
 
-    fn resume(body: &'a [u8], at: usize, before: Before) -> Self {
+    /// The walk of a body from `at` on (`rest`), resumed after a message.
+    fn resume(rest: &'a [u8], at: usize, before: Before) -> Self {
         Walker {
-            body,
-            pos: at,
+            body: rest,
+            base: at,
+            pos: 0,
             seen: before.clone(),
             messages: Some(Vec::new()),
-            end: at,
+            end: 0,
             before,
         }
     }
@@ -412,7 +484,7 @@ impl<'a> Walker<'a> {
             stream: self.seen.stream.flatten().unwrap_or(false),
             messages: self.messages?,
             resumed: None,
-            end: self.end,
+            end: self.base + self.end,
             before: self.before,
         })
     }
@@ -446,7 +518,8 @@ impl<'a> Walker<'a> {
                     }
                     let (raw, at) = value::<&RawValue>(self.body, self.pos)?;
                     let model: String = serde_json::from_str(raw.get()).ok()?;
-                    let start = raw.get().as_ptr() as usize - self.body.as_ptr() as usize;
+                    let start =
+                        self.base + raw.get().as_ptr() as usize - self.body.as_ptr() as usize;
                     self.seen.model = Some((model, start..start + raw.get().len()));
                     self.pos = at;
                 }
@@ -624,14 +697,15 @@ mod tests {
             w.stream,
             w.resumed.is_some(),
         );
-        let s = w.summary(body, keep, true, cache).expect("same options");
+        let read = &body[w.base()..];
+        let s = w.summary(read, keep, true, cache).expect("same options");
         (s, model, span, stream, resumed)
     }
 
     /// The summary through the gateway's path (walk or whole parse, whichever applies).
     fn resuming(body: &[u8], cache: &ResumeCache) -> PromptSummary {
         let mut p = RequestBody::parse_resuming(Endpoint::Chat, body, None, cache, 0).unwrap();
-        p.summary_with(64, true, cache)
+        p.summary_with(64, true, cache).expect("one set of options")
     }
 
     fn whole(body: &[u8], keep: usize) -> (PromptSummary, String, std::ops::Range<usize>, bool) {
@@ -716,11 +790,13 @@ mod tests {
             (&w.model, &w.model_span, w.stream),
             (&whole1.model, &whole1.model_span, whole1.stream)
         );
-        w.remember(&bodies[1], &cache);
+        let at = w.base();
+        w.remember(&bodies[1][at..], &cache);
         let mut p =
             RequestBody::parse_resuming(Endpoint::Chat, &bodies[2], None, &cache, 0).unwrap();
         assert!(p.resumed());
-        assert_eq!(p.summary_with(64, true, &cache), whole(&bodies[2], 64).0);
+        // Resumed from a position saved without a summariser: the caller parses it whole.
+        assert_eq!(p.summary_with(64, true, &cache), None);
     }
 
     #[test]
@@ -757,13 +833,13 @@ mod tests {
         // Saved with the key; asked without: no summary from the walk (the caller parses whole).
         let w = walk(&b, &cache).unwrap();
         assert!(w.resumed.is_some());
-        assert!(w.summary(&b, 64, false, &cache).is_none());
-        // Through `RequestBody`, the same body still summarises right.
+        let at = w.base();
+        assert!(w.summary(&b[at..], 64, false, &cache).is_none());
+        // Through `RequestBody` too: the caller parses the whole body.
+        walked(&b, &cache, 64);
         let mut p = RequestBody::parse_resuming(Endpoint::Chat, &b, None, &cache, 0).unwrap();
-        let expected = RequestBody::parse(Endpoint::Chat, &b)
-            .unwrap()
-            .summary(64, false);
-        assert_eq!(p.summary_with(64, false, &cache), expected);
+        assert!(p.resumed());
+        assert_eq!(p.summary_with(64, false, &cache), None);
     }
 
     #[test]

@@ -215,15 +215,29 @@ impl Gateway {
             .then(|| headers.get(http::header::CONTENT_TYPE))
             .flatten()
             .map(|v| v.as_bytes());
-        // A long chat body continues where its conversation's previous one ended, if seen.
-        let mut parsed = prompt::RequestBody::parse_resuming(
-            endpoint,
-            body.body(),
-            content_type,
-            &self.resume,
-            SUMMARISE_FROM_BYTES,
-        )
-        .map_err(|e| GatewayError::BadRequest(e.to_string()))?;
+        let bad = |e: prompt::PromptError| GatewayError::BadRequest(e.to_string());
+        // A long chat body continues where its conversation's previous one ended, if seen:
+        // only its part from there on is made contiguous and parsed.
+        let taken = (endpoint == Endpoint::Chat && body.len() >= SUMMARISE_FROM_BYTES)
+            .then(|| self.resume.take(body.pieces()))
+            .flatten();
+        let mut parsed = match taken {
+            Some(taken) => {
+                let at = taken.at();
+                match prompt::RequestBody::parse_resumed(body.contiguous_from(at), taken) {
+                    Some(parsed) => parsed,
+                    None => prompt::RequestBody::parse_with(endpoint, body.body(), content_type)
+                        .map_err(bad)?,
+                }
+            }
+            None => prompt::RequestBody::parse_walking(
+                endpoint,
+                body.body(),
+                content_type,
+                SUMMARISE_FROM_BYTES,
+            )
+            .map_err(bad)?,
+        };
         if parsed.resumed() {
             METRICS.prompts_resumed.inc();
         }
@@ -269,13 +283,12 @@ impl Gateway {
         } else {
             Vec::new()
         };
-        let summary = (strategy.uses_prompt() && !keep_prompt).then(|| {
-            parsed.summary_with(
-                crate::routing::placement::MAX_KEY_BYTES,
-                strategy.uses_prompt_key(),
-                &self.resume,
-            )
-        });
+        let (keep, with_key) = (
+            crate::routing::placement::MAX_KEY_BYTES,
+            strategy.uses_prompt_key(),
+        );
+        let mut summary = (strategy.uses_prompt() && !keep_prompt)
+            .then(|| parsed.summary_with(keep, with_key, &self.resume));
         if summary.is_none() {
             parsed.remember_walk(&self.resume);
         }
@@ -288,6 +301,13 @@ impl Gateway {
         // The parsed messages (escaped text decoded into owned strings, non-text payloads
         // as JSON values) are not needed past this point: not held through the exchange.
         drop(parsed);
+        if let Some(None) = summary {
+            // Resumed from a state saved for other options (a conversation whose turns
+            // changed routes): the whole body is parsed for the summary.
+            let whole = prompt::RequestBody::parse(endpoint, body.body()).map_err(bad)?;
+            summary = Some(Some(whole.summary(keep, with_key)));
+        }
+        let summary = summary.flatten();
         ctx.strategy = strategy.name();
         let header_ids = strategy
             .uses_token_ids()

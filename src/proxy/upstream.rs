@@ -20,6 +20,7 @@ use pingora::protocols::Stream;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType, RetryType};
+use std::io::IoSlice;
 use std::io::Write as _;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -75,8 +76,8 @@ pub struct ExchangeOutcome {
     pub finished: Instant,
 }
 
-/// The request to send: the client's body, framed in place behind `head` with the
-/// `model` value at `model_span` replaced (or copied when that does not fit), and the
+/// The request to send: the client's body, gathered behind `head` with the `model` value
+/// at `model_span` replaced, and the
 /// charge for its buffer. Both are let go as soon as the upstream's response header is in:
 /// nothing is retried after that, and a long stream should not hold its prompt's memory
 /// (nor the body budget) for minutes.
@@ -164,9 +165,9 @@ impl HopByHop {
 
 /// The upstream request head for a body of `body_len` bytes (after the model rewrite): the
 /// client's method and path under `base_path`, its end-to-end headers, `x-forwarded-for`
-/// (per `info`), `host` and `content-length`. The caller puts the body right behind it
-/// (`framing::BodyBuf`), so the request leaves in one write (one TCP segment on loopback
-/// instead of two).
+/// (per `info`), `host` and `content-length`. The caller gathers the body's pieces behind
+/// it (`framing::BodyBuf::gather`), so the request leaves in one vectored write (one TCP
+/// segment on loopback instead of two).
 ///
 /// Every piece comes from an already validated source: the method, URI and header
 /// names/values were parsed by pingora (an `http` type holds no CR, LF or NUL, and a
@@ -313,11 +314,8 @@ pub async fn send(
     started: Instant,
 ) -> Result<Answer, ExchangeError> {
     let sent = {
-        let mut spill = Vec::new();
-        let request =
-            out.body
-                .frame_or_copy(out.head, out.model_span.clone(), out.model, &mut spill);
-        unless_client_gone(session, send_and_read_head(pool, up, request, started)).await
+        let request = out.body.gather(out.head, out.model_span.clone(), out.model);
+        unless_client_gone(session, send_and_read_head(pool, up, &request, started)).await
     };
     let (http, reused) = sent.map_err(ExchangeError::Final)??;
     let status = http
@@ -438,7 +436,7 @@ pub async fn fetch_small(
     let unwrap = |e: ExchangeError| match e {
         ExchangeError::Retryable(e, _) | ExchangeError::Final(e) => e,
     };
-    let (mut http, _) = send_and_read_head(pool, up, request, Instant::now())
+    let (mut http, _) = send_and_read_head(pool, up, &[IoSlice::new(request)], Instant::now())
         .await
         .map_err(unwrap)?;
     let status = http.resp_header().map_or(0, |h| h.status.as_u16());
@@ -512,7 +510,7 @@ async fn client_gone(session: &mut Session) -> GatewayError {
 async fn send_and_read_head(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
-    request: &[u8],
+    request: &[IoSlice<'_>],
     started: Instant,
 ) -> Result<(HttpSession, bool), ExchangeError> {
     // A pooled connection can die between uses (the upstream closed it while idle): a write
@@ -621,17 +619,18 @@ async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
     result
 }
 
-/// Write the encoded request on a pooled or fresh connection and hand back a client
-/// session ready to read the response (a fresh `HttpSession` over the same stream: the
-/// request bytes bypassed pingora's header writer, which flushes the head on its own).
+/// Write the encoded request (its slices in order, in vectored writes) on a pooled or
+/// fresh connection and hand back a client session ready to read the response (a fresh
+/// `HttpSession` over the same stream: the request bytes bypassed pingora's header writer,
+/// which flushes the head on its own).
 async fn send_request(
     mut stream: Stream,
     peer: &HttpPeer,
-    request: &[u8],
+    request: &[IoSlice<'_>],
 ) -> pingora::Result<HttpSession> {
     let (read_timeout, write_timeout) = (peer.options.read_timeout, peer.options.write_timeout);
     let write = async {
-        stream.write_all(request).await?;
+        write_all_vectored(&mut stream, request).await?;
         stream.flush().await
     };
     let written = match write_timeout {
@@ -652,6 +651,21 @@ async fn send_request(
     s.read_timeout = read_timeout;
     s.write_timeout = write_timeout;
     Ok(s)
+}
+
+/// Write all of `request`'s slices, in as many vectored writes as the socket takes.
+async fn write_all_vectored(stream: &mut Stream, request: &[IoSlice<'_>]) -> std::io::Result<()> {
+    let mut slices = request.to_vec();
+    let mut left = &mut slices[..];
+    IoSlice::advance_slices(&mut left, 0);
+    while !left.is_empty() {
+        let n = stream.write_vectored(left).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut left, n);
+    }
+    Ok(())
 }
 
 fn downstream_response(up: &ResponseHeader) -> pingora::Result<ResponseHeader> {

@@ -33,9 +33,15 @@ fn encoded_request_is_one_well_formed_message() {
         info,
         UpstreamAuth::Forward,
     );
-    let mut buf = super::super::framing::BodyBuf::with_capacity(body.len());
-    buf.extend(body);
-    let out = buf.frame(&head, span, quoted.as_bytes()).unwrap().to_vec();
+    let buf = super::super::framing::BodyBuf::from_pieces(vec![
+        bytes::Bytes::from_static(&body[..5]),
+        bytes::Bytes::from_static(&body[5..]),
+    ]);
+    let out: Vec<u8> = buf
+        .gather(&head, span, quoted.as_bytes())
+        .iter()
+        .flat_map(|s| s.iter().copied())
+        .collect();
 
     let mut headers = [httparse::EMPTY_HEADER; 16];
     let mut req = httparse::Request::new(&mut headers);
