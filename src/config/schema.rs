@@ -19,9 +19,10 @@ pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
 /// Default cap on the bytes of request-body buffers held at once, over all connections:
 /// bodies being read, or sent and waiting for the upstream's answer to start (then the
 /// buffer is freed). It bounds buffered-body memory however many clients send at once. A
-/// body is charged for what it holds: the bytes that arrived and a reservation ahead of
-/// them (at most the larger of 64 KiB and seven times those bytes), so clients that
-/// dribble bodies hold little of it (and no `max_inflight` slot).
+/// body is charged for what it holds: the bytes that arrived (in pieces: 64 bytes more
+/// each, and a piece gathered from a trickle of short chunks its whole capacity, at most
+/// twice its bytes) and nothing ahead of them, so clients that dribble bodies hold little
+/// of it (and no `max_inflight` slot).
 /// 1 GiB: 256 bodies at the 4 MiB limit, or 32k prompts of 32 KiB. Beyond it: 503.
 pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 1 << 30;
 /// Default time an idle client connection is kept open for its next request, seconds

@@ -31,7 +31,8 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use twox_hash::xxhash3_128::{RawHasher, SecretBuffer};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Bytes of a body's start hashed to find its bucket: the model and the start of the
 /// system prompt; a group's conversations share a bucket, told apart by `TAIL_BYTES`. A
@@ -51,10 +52,16 @@ const MESSAGE_MAX_DEPTH: usize = JSON_MAX_DEPTH - 2;
 
 /// The prefix hash: XXH3-128 under a per-process random secret, so a client cannot aim a
 /// body at another conversation's saved state (XXH3's default secret is public, and with
-/// it two bodies colliding can be written down without a search).
-fn prefix_hasher() -> Xxh3 {
-    static SECRET: OnceLock<[u8; 192]> = OnceLock::new();
-    Xxh3::with_secret(*SECRET.get_or_init(|| std::array::from_fn(|_| rand::random::<u8>())))
+/// it two bodies colliding can be written down without a search). twox-hash's, which
+/// picks AVX2 at run time where the CPU has it: the prefix is most of a long body, and
+/// hashing it is most of what a resumed parse costs.
+type PrefixHasher = RawHasher<&'static [u8; SECRET_BYTES]>;
+const SECRET_BYTES: usize = 192;
+
+fn prefix_hasher() -> PrefixHasher {
+    static SECRET: OnceLock<[u8; SECRET_BYTES]> = OnceLock::new();
+    let secret = SECRET.get_or_init(|| std::array::from_fn(|_| rand::random::<u8>()));
+    RawHasher::new(SecretBuffer::new(0, secret).expect("192 bytes are a long enough secret"))
 }
 
 /// `model` (its value and span) and `stream` as far as the walk has seen them.
@@ -96,7 +103,7 @@ pub struct Taken {
     tail: [u8; TAIL_BYTES],
     saved: Box<Saved>,
     /// Has hashed the body up to `at`.
-    hasher: Xxh3,
+    hasher: PrefixHasher,
 }
 
 impl Taken {
@@ -180,10 +187,10 @@ impl ResumeCache {
         let mut found = None;
         for &(at, prefix_hash, seq) in &candidates {
             for s in body.slices(hashed..at) {
-                hasher.update(s);
+                hasher.write(s);
             }
             hashed = at;
-            if hasher.digest128() == prefix_hash {
+            if hasher.finish_128() == prefix_hash {
                 found = Some((at, seq, hasher.clone()));
             }
         }
@@ -402,7 +409,7 @@ fn save(
     read: &[u8],
     from: Option<(usize, u64, [u8; TAIL_BYTES])>,
     end: usize,
-    mut hasher: Xxh3,
+    mut hasher: PrefixHasher,
     saved: Saved,
     cache: &ResumeCache,
 ) {
@@ -410,7 +417,7 @@ fn save(
         return;
     }
     let base = from.map_or(0, |(at, _, _)| at);
-    hasher.update(&read[..end - base]);
+    hasher.write(&read[..end - base]);
     let key = from.map_or_else(|| bucket_key(Pieces::one(read)), |(_, key, _)| key);
     // The tail bytes before `end`; those before `read` starts are the resumed state's own.
     let mut tail = [0; TAIL_BYTES];
@@ -421,7 +428,7 @@ fn save(
             _ => read[pos - base],
         };
     }
-    cache.put(key, end, tail, hasher.digest128(), Box::new(saved));
+    cache.put(key, end, tail, hasher.finish_128(), Box::new(saved));
 }
 
 /// The walk's position in the body's top-level object.
