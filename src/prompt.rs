@@ -411,7 +411,9 @@ enum BodyContent<'a> {
     Messages(messages::Conversation<'a>),
     /// A long chat body walked member by member, maybe resumed where the conversation's
     /// previous body ended ([`resume`]): only [`RequestBody::summary_with`] reads it
-    /// as it is; every other reader parses the body whole again.
+    /// as it is; every other reader parses the body whole again, which a resumed body
+    /// (holding only its part from the resumed offset on) cannot give: the gateway asks a
+    /// walked body for nothing but its summary.
     Walked(Option<Box<resume::Walked<'a>>>),
     /// A pass-through endpoint: only the model is read.
     None,
@@ -705,7 +707,7 @@ pub fn quote_model(upstream_model: &str) -> String {
 }
 
 /// Append `body` with its `model` value replaced by `quoted_model` (from [`quote_model`]) to
-/// `out` (the copying form of `proxy::framing::BodyBuf::frame`).
+/// `out` (the copying form of `proxy::framing::BodyBuf::gather`).
 pub fn rewrite_model_into(
     out: &mut Vec<u8>,
     body: &[u8],

@@ -20,8 +20,9 @@ pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
 /// bodies being read, or sent and waiting for the upstream's answer to start (then the
 /// buffer is freed). It bounds buffered-body memory however many clients send at once. A
 /// body is charged for what it holds: the bytes that arrived (in pieces: 64 bytes more
-/// each, and a piece gathered from a trickle of short chunks its whole capacity, at most
-/// twice its bytes) and nothing ahead of them, so clients that dribble bodies hold little
+/// each, and a piece gathered from a trickle of short chunks its whole capacity: a body
+/// is charged at most twice its bytes and 32 KiB) and nothing ahead of them, so clients
+/// that dribble bodies hold little
 /// of it (and no `max_inflight` slot).
 /// 1 GiB: 256 bodies at the 4 MiB limit, or 32k prompts of 32 KiB. Beyond it: 503.
 pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 1 << 30;

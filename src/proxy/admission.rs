@@ -12,9 +12,8 @@
 //! Why two limits: a slot is taken once the body is in, so clients that send their bodies
 //! slowly (a slowloris, or a slow link) cannot fill `max_inflight` and lock everyone out
 //! of proxying; the memory of bodies still arriving is bounded by the byte budget
-//! instead, charged as the body grows (the chunks held before its buffer, then each
-//! buffer allocation; `body::read_body`), so a dribbling client holds little. A body is
-//! let go once the upstream's answer starts.
+//! instead, charged as the body grows (each piece as it is taken; `body::read_body`), so
+//! a dribbling client holds little. A body is let go once the upstream's answer starts.
 //!
 //! A pingora 0.9.1 limit that is *not* configurable, and so is not a config key: 256
 //! header fields (`MAX_HEADERS`); beyond it pingora answers 400 and closes the connection
@@ -53,13 +52,6 @@ impl BodyBytes<'_> {
             self.held += n;
         }
         ok
-    }
-
-    /// Give back `n` of the bytes charged (a buffer was allocated smaller than charged).
-    pub fn give_back(&mut self, n: usize) {
-        let n = n.min(self.held);
-        self.counter.fetch_sub(n, Ordering::AcqRel);
-        self.held -= n;
     }
 
     /// Bytes charged right now.

@@ -8,9 +8,12 @@
 //! the connection's read buffer, up to 64 KiB at a time). They are held as they are, as
 //! the body's pieces ([`BodyBuf`]), not copied again: the first `HELD_FREE` whatever their
 //! size, later ones from `MIN_PIECE` bytes on. A shorter later chunk (a client trickling
-//! its body) is copied into a piece being gathered, closed at `MIN_PIECE` bytes, so the
-//! pieces stay few however the body is cut. Every piece is charged to the body budget as
-//! it is taken: its bytes (a gathered piece: its whole capacity) and `PIECE_OVERHEAD`.
+//! its body) is copied into a piece being gathered, closed at `MIN_PIECE` bytes (or copied
+//! out at its size when a long chunk comes first), so the pieces stay few however the body
+//! is cut. Every piece is charged to the body budget as it is taken: its bytes (a full
+//! gathered piece: its whole buffer, at most twice its bytes) and `PIECE_OVERHEAD`; the
+//! gathering buffer is charged when allocated. A body holds at most twice its bytes plus
+//! one gathering buffer and the overheads, all charged.
 
 use super::admission::BodyBytes;
 use super::error::GatewayError;
@@ -73,7 +76,7 @@ pub async fn read_body(
         };
         body.push(chunk)?;
     }
-    Ok(body.finish())
+    body.finish()
 }
 
 /// A body being received, and what is charged for it.
@@ -115,7 +118,7 @@ impl<'r, 'c> Receiving<'r, 'c> {
         }
         if self.pieces.len() < HELD_FREE || chunk.len() >= MIN_PIECE {
             self.charge_more(chunk.len() + PIECE_OVERHEAD)?;
-            self.close_gathered();
+            self.close_gathered()?;
             self.pieces.push(chunk);
         } else {
             if self.gathering.capacity() == 0 {
@@ -125,18 +128,28 @@ impl<'r, 'c> Receiving<'r, 'c> {
             }
             self.gathering.extend_from_slice(&chunk);
             if self.gathering.len() >= MIN_PIECE {
-                self.close_gathered();
+                self.close_gathered()?;
             }
         }
         self.received = needed;
         Ok(())
     }
 
-    fn close_gathered(&mut self) {
-        if !self.gathering.is_empty() {
+    /// Close the piece being gathered: a full one keeps its buffer (charged with it); a
+    /// short one (a long chunk came first) is copied out at its size, charged as a piece,
+    /// and the buffer is kept for the next: a body holds one gathering buffer at a time, so
+    /// a client alternating short and long chunks cannot make it hold more than its bytes,
+    /// the buffer and the overheads.
+    fn close_gathered(&mut self) -> Result<(), GatewayError> {
+        if self.gathering.len() >= MIN_PIECE {
             self.pieces
                 .push(Bytes::from(std::mem::take(&mut self.gathering)));
+        } else if !self.gathering.is_empty() {
+            self.charge_more(self.gathering.len() + PIECE_OVERHEAD)?;
+            self.pieces.push(Bytes::copy_from_slice(&self.gathering));
+            self.gathering.clear();
         }
+        Ok(())
     }
 
     fn charge_more(&mut self, n: usize) -> Result<(), GatewayError> {
@@ -146,9 +159,9 @@ impl<'r, 'c> Receiving<'r, 'c> {
     }
 
     /// The whole body, in its pieces.
-    fn finish(mut self) -> BodyBuf {
-        self.close_gathered();
-        BodyBuf::from_pieces(std::mem::take(&mut self.pieces))
+    fn finish(mut self) -> Result<BodyBuf, GatewayError> {
+        self.close_gathered()?;
+        Ok(BodyBuf::from_pieces(std::mem::take(&mut self.pieces)))
     }
 }
 
@@ -257,7 +270,7 @@ mod tests {
             r.push(chunk).unwrap();
             assert_charge_covers(&r);
         }
-        let mut buf = r.finish();
+        let mut buf = r.finish().unwrap();
         assert_eq!(buf.piece_count(), chunks.len());
         for (held, sent) in buf.pieces().slices(0..body.len()).zip(&chunks) {
             assert_eq!(held.as_ptr(), sent.as_ptr(), "the same bytes, not a copy");
@@ -279,7 +292,7 @@ mod tests {
             r.push(chunk).unwrap();
             assert_charge_covers(&r);
         }
-        let mut buf = r.finish();
+        let mut buf = r.finish().unwrap();
         assert!(
             buf.piece_count() <= HELD_FREE + body.len() / MIN_PIECE + 1,
             "{} pieces",
@@ -290,6 +303,30 @@ mod tests {
             a.buffered() <= 2 * body.len() + 2 * MIN_PIECE + buf.piece_count() * PIECE_OVERHEAD
         );
         assert_eq!(buf.body(), &body[..]);
+    }
+
+    #[test]
+    fn short_and_long_chunks_alternating_hold_no_more_than_twice_the_bytes() {
+        let a = Admission::new();
+        let mut charge = a.body_bytes();
+        let mut r = Receiving::new(LIMIT, &mut charge, BUDGET);
+        let mut sent = Vec::new();
+        for i in 0..200 {
+            let n = if i % 2 == 0 { 1 } else { MIN_PIECE };
+            let chunk = vec![(i % 251) as u8; n];
+            sent.extend_from_slice(&chunk);
+            r.push(Bytes::from(chunk)).unwrap();
+            assert_charge_covers(&r);
+        }
+        let mut buf = r.finish().unwrap();
+        let overheads = (buf.piece_count() + 1) * PIECE_OVERHEAD;
+        assert!(
+            a.buffered() <= 2 * sent.len() + 2 * MIN_PIECE + overheads,
+            "{} charged for {} bytes",
+            a.buffered(),
+            sent.len()
+        );
+        assert_eq!(buf.body(), &sent[..]);
     }
 
     #[test]
@@ -352,7 +389,7 @@ mod tests {
                 at += n;
                 assert_charge_covers(&r);
             }
-            let mut buf = r.finish();
+            let mut buf = r.finish().unwrap();
             prop_assert!(buf.piece_count() <= HELD_FREE + 2 * (total / MIN_PIECE) + 1);
             prop_assert_eq!(buf.len(), total);
             prop_assert_eq!(buf.body(), &body[..]);

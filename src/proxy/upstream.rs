@@ -77,8 +77,8 @@ pub struct ExchangeOutcome {
 }
 
 /// The request to send: the client's body, gathered behind `head` with the `model` value
-/// at `model_span` replaced, and the
-/// charge for its buffer. Both are let go as soon as the upstream's response header is in:
+/// at `model_span` replaced, and the charge for its pieces. Both are let go as soon as the
+/// upstream's response header is in:
 /// nothing is retried after that, and a long stream should not hold its prompt's memory
 /// (nor the body budget) for minutes.
 pub struct Outgoing<'a, 'b> {
@@ -653,11 +653,20 @@ async fn send_request(
     Ok(s)
 }
 
-/// Write all of `request`'s slices, in as many vectored writes as the socket takes.
+/// Write all of `request`'s slices, in as many vectored writes as the socket takes (the
+/// slice list is copied, to be advanced, only when the first write is partial).
 async fn write_all_vectored(stream: &mut Stream, request: &[IoSlice<'_>]) -> std::io::Result<()> {
+    let total: usize = request.iter().map(|s| s.len()).sum();
+    let first = stream.write_vectored(request).await?;
+    if first == total {
+        return Ok(());
+    }
+    if first == 0 {
+        return Err(std::io::ErrorKind::WriteZero.into());
+    }
     let mut slices = request.to_vec();
     let mut left = &mut slices[..];
-    IoSlice::advance_slices(&mut left, 0);
+    IoSlice::advance_slices(&mut left, first);
     while !left.is_empty() {
         let n = stream.write_vectored(left).await?;
         if n == 0 {

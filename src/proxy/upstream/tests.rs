@@ -270,3 +270,33 @@ fn the_upstream_gets_its_own_key_or_none_never_the_clients() {
     let forwarded = text(UpstreamAuth::Forward);
     assert!(forwarded.contains("Bearer client-key") && forwarded.contains("Bearer second"));
 }
+
+/// A request larger than the socket takes at once (the reader starts late) is written
+/// whole and in order, across partial vectored writes.
+#[tokio::test]
+async fn a_vectored_request_larger_than_the_socket_takes_arrives_whole() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        got
+    });
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut stream: Stream = Box::new(pingora::protocols::l4::stream::Stream::from(tcp));
+    let parts: Vec<Vec<u8>> = (0..12u8)
+        .map(|i| vec![i; 700_000 + usize::from(i)])
+        .collect();
+    let slices: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
+    write_all_vectored(&mut stream, &slices).await.unwrap();
+    stream.flush().await.unwrap();
+    drop(stream);
+    let got = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .expect("the reader ends")
+        .unwrap();
+    assert!(got == parts.concat(), "bytes lost or out of order");
+}
