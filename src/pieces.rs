@@ -85,22 +85,25 @@ impl<'a> Pieces<'a> {
     }
 }
 
+/// `bytes` cut at `cuts` (each taken modulo `bytes.len() + 1`, any order), for tests of
+/// readers of pieces.
+#[cfg(test)]
+pub fn split(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
+    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+    cuts.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for c in cuts.into_iter().chain([bytes.len()]) {
+        out.push(Bytes::copy_from_slice(&bytes[at..c]));
+        at = c;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    fn split(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
-        let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
-        cuts.sort_unstable();
-        let mut out = Vec::new();
-        let mut at = 0;
-        for c in cuts.into_iter().chain([bytes.len()]) {
-            out.push(Bytes::copy_from_slice(&bytes[at..c]));
-            at = c;
-        }
-        out
-    }
 
     proptest! {
         /// Any split, any range: the slices, the copy and the range are the string's bytes.

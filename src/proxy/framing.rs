@@ -123,19 +123,8 @@ impl BodyBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pieces::split;
     use proptest::prelude::*;
-
-    fn split(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
-        let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
-        cuts.sort_unstable();
-        let mut out = Vec::new();
-        let mut at = 0;
-        for c in cuts.into_iter().chain([bytes.len()]) {
-            out.push(Bytes::copy_from_slice(&bytes[at..c]));
-            at = c;
-        }
-        out
-    }
 
     fn expected(head: &[u8], body: &[u8], span: Range<usize>, repl: &[u8]) -> Vec<u8> {
         let mut out = head.to_vec();
