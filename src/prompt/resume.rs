@@ -8,7 +8,9 @@
 //! serde_json, which reports where it ended) and, at the end of the messages array, keeps
 //! the summariser's state with the offset it stands for and a hash of the bytes before it.
 //! A later body whose bytes up to that offset hash the same resumes there: only the new
-//! messages and the members after the array are parsed.
+//! messages and the members after the array are parsed. The cache reads a body in the
+//! pieces it arrived in (`crate::pieces`): only its part from the resumed offset on need
+//! be contiguous for the walk.
 //!
 //! The bytes before a saved offset are never parsed again, so the hash that vouches for
 //! them is keyed (XXH3-128 under a per-process random secret): a client cannot write a
