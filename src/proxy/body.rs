@@ -117,8 +117,8 @@ impl<'r, 'c> Receiving<'r, 'c> {
             return Ok(());
         }
         if self.pieces.len() < HELD_FREE || chunk.len() >= MIN_PIECE {
-            self.charge_more(chunk.len() + PIECE_OVERHEAD)?;
             self.close_gathered()?;
+            self.charge_more(chunk.len() + PIECE_OVERHEAD)?;
             self.pieces.push(chunk);
         } else {
             if self.gathering.capacity() == 0 {
