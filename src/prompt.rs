@@ -501,9 +501,10 @@ impl<'a> RequestBody<'a> {
 
     /// [`RequestBody::parse_with`], but a chat body of at least `walk_from` bytes is walked
     /// member by member, resuming where a previous body in `cache` ended when it starts
-    /// with that body's bytes, for [`RequestBody::summary_with`]. (The gateway, whose body
-    /// is in pieces, takes the saved state itself and calls [`RequestBody::parse_resumed`]
-    /// or [`RequestBody::parse_walking`].)
+    /// with that body's bytes, for [`RequestBody::summary_with`]: the gateway's sequence
+    /// (`proxy::Gateway::handle`, whose body is in pieces and made contiguous only from the
+    /// resumed offset) for a body in one slice, for tests.
+    #[cfg(test)]
     pub fn parse_resuming(
         endpoint: Endpoint,
         body: &'a [u8],
@@ -572,16 +573,14 @@ impl<'a> RequestBody<'a> {
         with_key: bool,
         cache: &resume::ResumeCache,
     ) -> Option<PromptSummary> {
-        if let BodyContent::Walked(Some(w)) = &mut self.content {
-            let resumed = w.is_resumed();
-            let w = std::mem::replace(&mut self.content, BodyContent::Walked(None));
-            let BodyContent::Walked(Some(w)) = w else {
-                unreachable!("matched above")
-            };
-            match w.summary(self.body, keep, with_key, cache) {
-                Some(s) => return Some(s),
-                None if resumed => return None,
-                None => {}
+        if let BodyContent::Walked(walked) = &mut self.content {
+            if let Some(w) = walked.take() {
+                let resumed = w.is_resumed();
+                match w.summary(self.body, keep, with_key, cache) {
+                    Some(s) => return Some(s),
+                    None if resumed => return None,
+                    None => {}
+                }
             }
         }
         Some(self.summary(keep, with_key))

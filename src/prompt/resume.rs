@@ -97,13 +97,19 @@ impl Saved {
 }
 
 /// A saved state taken for a body that starts with the bytes it stands for: the walk
-/// resumes at `at` (only `body[at..]` need be contiguous).
+/// resumes at `from.at` (only `body[at..]` need be contiguous).
 pub struct Taken {
+    saved: Box<Saved>,
+    from: Origin,
+}
+
+/// Where a resumed body's walk started, and what saving its next state needs of the bytes
+/// before it.
+struct Origin {
     at: usize,
     /// The body's bucket and the `TAIL_BYTES` before `at`.
     key: u64,
     tail: [u8; TAIL_BYTES],
-    saved: Box<Saved>,
     /// Has hashed the body up to `at`.
     hasher: PrefixHasher,
 }
@@ -111,7 +117,7 @@ pub struct Taken {
 impl Taken {
     /// Where the body's walk resumes.
     pub fn at(&self) -> usize {
-        self.at
+        self.from.at
     }
 }
 
@@ -207,11 +213,13 @@ impl ResumeCache {
             self.buckets.remove_if(&key, |_, b| b.is_empty());
         }
         Some(Taken {
-            at,
-            key,
-            tail: e.tail,
             saved: e.saved,
-            hasher,
+            from: Origin {
+                at,
+                key,
+                tail: e.tail,
+                hasher,
+            },
         })
     }
 
@@ -313,7 +321,7 @@ pub(super) struct Walked<'a> {
 #[cfg(test)]
 pub(super) fn walk<'a>(body: &'a [u8], cache: &ResumeCache) -> Option<Walked<'a>> {
     match cache.take(Pieces::one(body)) {
-        Some(taken) => walk_resumed(&body[taken.at..], taken),
+        Some(taken) => walk_resumed(&body[taken.at()..], taken),
         None => walk_whole(body),
     }
 }
@@ -326,7 +334,7 @@ pub(super) fn walk_whole(body: &[u8]) -> Option<Walked<'_>> {
 /// Walk a body from where `taken` was saved: `rest` is the body from `taken.at()` on.
 pub(super) fn walk_resumed(rest: &[u8], taken: Taken) -> Option<Walked<'_>> {
     let before = taken.saved.before.clone();
-    let mut walked = Walker::resume(rest, taken.at, before).run()?;
+    let mut walked = Walker::resume(rest, taken.at(), before).run()?;
     walked.resumed = Some(taken);
     Some(walked)
 }
@@ -351,20 +359,19 @@ impl<'a> Walked<'a> {
         cache: &ResumeCache,
     ) -> Option<PromptSummary> {
         let len = self.base() + read.len();
-        let (mut sum, hasher, from) = match self.resumed {
-            Some(t) => {
-                let saved = t.saved;
+        let (mut sum, from) = match self.resumed {
+            Some(Taken { saved, from }) => {
                 let sum = saved
                     .sum
                     .filter(|_| (saved.keep, saved.with_key) == (keep, with_key));
                 let mut sum = sum?;
                 sum.reserve_key(len);
-                (sum, t.hasher, Some((t.at, t.key, t.tail)))
+                (sum, Some(from))
             }
             None => {
                 let mut sum = Summarizer::new(keep, with_key, len);
                 sum.push(TAG_CHAT);
-                (sum, prefix_hasher(), None)
+                (sum, None)
             }
         };
         for m in &self.messages {
@@ -376,7 +383,7 @@ impl<'a> Walked<'a> {
             with_key,
             before: self.before,
         };
-        save(read, from, self.end, hasher, saved, cache);
+        save(read, from, self.end, saved, cache);
         Some(sum.finish())
     }
 
@@ -384,50 +391,46 @@ impl<'a> Walked<'a> {
     /// reads no summary: the conversation's next body resumes its walk there (and a route
     /// that does want a summary then parses that body whole). `read` as for `summary`.
     pub fn remember(self, read: &[u8], cache: &ResumeCache) {
-        let (hasher, from) = match self.resumed {
-            Some(t) => (t.hasher, Some((t.at, t.key, t.tail))),
-            None => (prefix_hasher(), None),
-        };
         let saved = Saved {
             sum: None,
             keep: 0,
             with_key: false,
             before: self.before,
         };
-        save(read, from, self.end, hasher, saved, cache);
+        save(read, self.resumed.map(|t| t.from), self.end, saved, cache);
     }
 
     /// Where the bytes the walk read start in the body.
     fn base(&self) -> usize {
-        self.resumed.as_ref().map_or(0, |t| t.at)
+        self.resumed.as_ref().map_or(0, Taken::at)
     }
 }
 
 /// Keep `saved`, the state at `end` (the messages' end) of a body of which `read` is the
-/// part from `from`'s offset on (with its bucket and the bytes before that offset) or the
-/// whole, in `cache`; `hasher` has hashed the body up to where `read` starts. Saved again
+/// part from `from`'s offset on (a resumed body) or the whole, in `cache`. Saved again
 /// even when no message was added (a retried body), as `take` removed it.
-fn save(
-    read: &[u8],
-    from: Option<(usize, u64, [u8; TAIL_BYTES])>,
-    end: usize,
-    mut hasher: PrefixHasher,
-    saved: Saved,
-    cache: &ResumeCache,
-) {
+fn save(read: &[u8], from: Option<Origin>, end: usize, saved: Saved, cache: &ResumeCache) {
     if end < BUCKET_KEY_BYTES {
         return;
     }
-    let base = from.map_or(0, |(at, _, _)| at);
+    let (base, key, before, mut hasher) = match from {
+        Some(o) => (o.at, o.key, o.tail, o.hasher),
+        None => (
+            0,
+            bucket_key(Pieces::one(read)),
+            [0; TAIL_BYTES],
+            prefix_hasher(),
+        ),
+    };
     hasher.write(&read[..end - base]);
-    let key = from.map_or_else(|| bucket_key(Pieces::one(read)), |(_, key, _)| key);
     // The tail bytes before `end`; those before `read` starts are the resumed state's own.
     let mut tail = [0; TAIL_BYTES];
     for (i, t) in tail.iter_mut().enumerate() {
         let pos = end - TAIL_BYTES + i;
-        *t = match from {
-            Some((at, _, before)) if pos < at => before[pos + TAIL_BYTES - at],
-            _ => read[pos - base],
+        *t = if pos < base {
+            before[pos + TAIL_BYTES - base]
+        } else {
+            read[pos - base]
         };
     }
     cache.put(key, end, tail, hasher.finish_128(), Box::new(saved));
