@@ -4,7 +4,8 @@
 # 1. builds rolter instrumented (-Cprofile-generate) in target/pgo/gen;
 # 2. trains it: the gateway in front of rolter-stub, cache_aware then round_robin, each
 #    driven by wrk with loadtest/chat.lua: 4 and 32 KiB chat bodies, and 4 KiB streamed
-#    (SSE) ones (~35 s in all);
+#    (SSE) ones, then with loadtest/growth.lua: conversations growing to 128 and 512 KiB,
+#    each request extending an earlier one (~55 s in all);
 # 3. merges the profile (llvm-profdata from rustup's llvm-tools component, installed if
 #    missing) and rebuilds with -Cprofile-use in target/pgo/use.
 # The profile is made afresh on every run, so it always matches the source. Measured on the
@@ -48,11 +49,14 @@ for strategy in cache_aware round_robin; do
     --listen 127.0.0.1:$GW_PORT >/dev/null 2>"$W/gateway.log" &
   gw=$!; PIDS+=($gw)
   for _ in $(seq 100); do curl -sf 127.0.0.1:$GW_PORT/health >/dev/null && break; sleep 0.1; done
-  for run in "4096 0 6" "32768 0 6" "4096 1 4"; do
-    read -r size stream secs <<<"$run"
-    echo "build-pgo: training $strategy, $size-byte bodies, stream=$stream" >&2
-    STREAM=$stream BODY_BYTES=$size wrk -t1 -c64 -d"${secs}s" -s loadtest/chat.lua \
-      "http://127.0.0.1:$GW_PORT" >/dev/null
+  for run in "4096 0 6 chat" "32768 0 6 chat" "4096 1 4 chat" "131072 0 5 growth" \
+    "524288 0 5 growth"; do
+    read -r size stream secs script <<<"$run"
+    echo "build-pgo: training $strategy, $size-byte bodies ($script.lua), stream=$stream" >&2
+    out=$(PACE_MS=0 STREAM=$stream BODY_BYTES=$size wrk -t1 -c64 -d"${secs}s" \
+      -s "loadtest/$script.lua" "http://127.0.0.1:$GW_PORT" 2>&1)
+    # Training on error answers would optimise the error path instead of the request path.
+    if echo "$out" | grep -q "Non-2xx"; then echo "build-pgo: non-2xx answers: $out" >&2; exit 1; fi
   done
   # SIGINT: pingora exits, and the profile runtime writes its counters at exit.
   kill -INT "$gw"
