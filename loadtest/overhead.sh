@@ -27,7 +27,9 @@
 #
 # Knobs: DURATION (s per run, default 8), REPEATS (default 3), CONNS (default 64),
 # PGO (set: measure the profile-guided build of scripts/build-pgo.sh instead of the plain
-# release build), RSS_REQUESTS (default 1000000; 0 skips the RSS step), ROLTER_LOG (RUST_LOG of the
+# release build), ROLTER_BIN (a gateway binary to measure instead of building one: two
+# builds compared by alternating runs, each copied out of the target directory first),
+# RSS_REQUESTS (default 1000000; 0 skips the RSS step), ROLTER_LOG (RUST_LOG of the
 # gateways, default "warn": no per-request access line, like nginx's access_log off;
 # "info" measures with rolter's access log on), TOKENIZER (the Hugging Face tokenizer
 # directory of path (e), default the Llama-3-style fixture tests/fixtures/tokenizer/llama3;
@@ -58,7 +60,10 @@ fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 scripts/setup.sh
 cargo build --release -q --bin rolter-stub -p rolter-loadtest
-if [ -n "${PGO:-}" ]; then
+if [ -n "${ROLTER_BIN:-}" ]; then
+  [ -x "$ROLTER_BIN" ] || { echo "overhead: ROLTER_BIN $ROLTER_BIN is not an executable" >&2; exit 1; }
+  ROLTER_BUILT=$ROLTER_BIN; BUILD_NOTE="given binary $ROLTER_BIN,"
+elif [ -n "${PGO:-}" ]; then
   scripts/build-pgo.sh
   ROLTER_BUILT=target/pgo/rolter; BUILD_NOTE="release + PGO, scripts/build-pgo.sh,"
 else
@@ -68,7 +73,7 @@ fi
 WORK=$(mktemp -d /tmp/rolter-overhead.XXXXXX)
 # Private copies: a shared target directory may be rebuilt by someone else mid-run.
 BIN=$WORK/bin
-mkdir -p "$BIN" && cp "$ROLTER_BUILT" target/release/rolter-stub "$BIN/"
+mkdir -p "$BIN" && cp "$ROLTER_BUILT" "$BIN/rolter" && cp target/release/rolter-stub "$BIN/"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
