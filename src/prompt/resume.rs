@@ -34,7 +34,7 @@ use serde_json::value::RawValue;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 use twox_hash::xxhash3_128::{RawHasher, SecretBuffer};
-use xxhash_rust::xxh3::xxh3_64;
+use twox_hash::XxHash3_64;
 
 /// Bytes of a body's start hashed to find its bucket: the model and the start of the
 /// system prompt; a group's conversations share a bucket, told apart by `TAIL_BYTES`. A
@@ -296,7 +296,7 @@ fn shrink(bucket: &mut Vec<Entry>) {
 }
 
 fn bucket_key(body: Pieces<'_>) -> u64 {
-    xxh3_64(&body.range(0..BUCKET_KEY_BYTES))
+    XxHash3_64::oneshot(&body.range(0..BUCKET_KEY_BYTES))
 }
 
 /// What the walk of a chat body found.
@@ -952,7 +952,11 @@ mod tests {
             colliding_under_the_default_secret(b'!', b'#'),
             colliding_under_the_default_secret(b'"', b'"'),
         );
-        assert_eq!(xxh3_64(&p), xxh3_64(&q), "the construction collides");
+        assert_eq!(
+            XxHash3_64::oneshot(&p),
+            XxHash3_64::oneshot(&q),
+            "the construction collides"
+        );
         let cache = ResumeCache::default();
         let mut first = p.clone();
         first.extend_from_slice(b"]}");

@@ -7,7 +7,15 @@
 
 use super::{Sink, ESC, RS, TAG_CHAT};
 use crate::prefix::key::KeyBuilder;
-use xxhash_rust::xxh3::Xxh3Default;
+use std::hash::Hasher as _;
+use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
+
+/// Streaming XXH3-64 with the default seed and secret, allocating nothing.
+type Xxh3 = RawHasher<&'static [u8; twox_hash::xxhash3_64::DEFAULT_SECRET_LENGTH]>;
+
+fn xxh3() -> Xxh3 {
+    RawHasher::new(SecretBuffer::default())
+}
 
 /// A prompt as routing sees it, without its bytes.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -35,7 +43,7 @@ pub(super) struct Summarizer {
     key: Option<KeyBuilder>,
     keep: usize,
     /// The first two messages' hashes so far, and how many bytes each took.
-    hashes: [Xxh3Default; 2],
+    hashes: [Xxh3; 2],
     hashed: [usize; 2],
     /// Chat prompt (known from the first byte): its messages end with unescaped RS.
     chat: bool,
@@ -55,7 +63,7 @@ impl Summarizer {
             summary: PromptSummary::default(),
             key: with_key.then(|| KeyBuilder::with_capacity(len_hint)),
             keep,
-            hashes: [Xxh3Default::new(), Xxh3Default::new()],
+            hashes: [xxh3(), xxh3()],
             hashed: [0, 0],
             chat: false,
             ends: 0,
@@ -78,8 +86,8 @@ impl Summarizer {
 
     pub(super) fn finish(mut self) -> PromptSummary {
         self.summary.first_len = self.first_end.unwrap_or(self.summary.len);
-        self.summary.first_hash = self.hashes[0].digest();
-        self.summary.second_hash = self.hashes[1].digest();
+        self.summary.first_hash = self.hashes[0].finish();
+        self.summary.second_hash = self.hashes[1].finish();
         self.summary.keep = self.keep;
         self.summary.key = self.key.map(KeyBuilder::finish).unwrap_or_default();
         self.summary
@@ -119,7 +127,7 @@ impl Summarizer {
             let (part, rest) = bytes.split_at(end.map_or(bytes.len(), |i| i + 1));
             let n = self.ends;
             let take = part.len().min(self.keep - self.hashed[n]);
-            self.hashes[n].update(&part[..take]);
+            self.hashes[n].write(&part[..take]);
             self.hashed[n] += take;
             if end.is_some() {
                 self.ends += 1;
@@ -156,7 +164,7 @@ impl Sink for Summarizer {
 mod tests {
     use super::*;
     use crate::prompt::{first_two_message_ends, Endpoint, RequestBody};
-    use xxhash_rust::xxh3::xxh3_64;
+    use twox_hash::XxHash3_64;
 
     /// What the summary must equal: the same facts read off the encoded prompt.
     fn from_prompt(prompt: &[u8], keep: usize) -> PromptSummary {
@@ -166,9 +174,9 @@ mod tests {
         PromptSummary {
             len: prompt.len(),
             key: crate::prefix::prompt_key(prompt),
-            first_hash: xxh3_64(&prompt[..first.min(keep)]),
+            first_hash: XxHash3_64::oneshot(&prompt[..first.min(keep)]),
             first_len: first,
-            second_hash: xxh3_64(&prompt[first..second.min(first + keep)]),
+            second_hash: XxHash3_64::oneshot(&prompt[first..second.min(first + keep)]),
             keep,
         }
     }

@@ -57,7 +57,7 @@
 //! suit both.
 
 use super::Reason;
-use xxhash_rust::xxh3::xxh3_64;
+use twox_hash::XxHash3_64;
 
 /// Default of `load_cost_tokens`: prefill tokens one more request in flight is worth.
 /// Chosen by measurement over the loadtest workloads (multi-turn with and without cache
@@ -148,8 +148,8 @@ impl PlacementKeys {
         let second = second.unwrap_or(prompt.len());
         let second_message = &prompt[first..second.min(first.saturating_add(MAX_KEY_BYTES))];
         let keys = PlacementKeys::from_hashes(
-            xxh3_64(&prompt[..first.min(MAX_KEY_BYTES)]),
-            xxh3_64(second_message),
+            XxHash3_64::oneshot(&prompt[..first.min(MAX_KEY_BYTES)]),
+            XxHash3_64::oneshot(second_message),
         );
         (keys, first)
     }
@@ -169,7 +169,7 @@ impl PlacementKeys {
     pub fn with_session(self, session_id: Option<&str>) -> PlacementKeys {
         match session_id {
             Some(id) => PlacementKeys {
-                conversation: xxh3_64(id.as_bytes()) ^ 0x5e55_1011,
+                conversation: XxHash3_64::oneshot(id.as_bytes()) ^ 0x5e55_1011,
                 ..self
             },
             None => self,
