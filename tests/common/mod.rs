@@ -21,24 +21,19 @@ pub struct Gateway {
     pub dir: TempDir,
 }
 
-/// A directory removed on drop.
-pub struct TempDir(pub PathBuf);
+/// A directory of its own, removed on drop. Its name is unique among every test's
+/// directories (`tempfile` creates it exclusively): tests run in parallel in one process,
+/// and a name two tests shared would let one test's drop remove the other's files, the
+/// log its gateway is still writing included.
+pub struct TempDir(pub PathBuf, tempfile::TempDir);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!(
-            "rolter-test-{tag}-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("rolter-test-{tag}-"))
+            .tempdir()
+            .expect("a temporary directory");
+        TempDir(dir.path().to_path_buf(), dir)
     }
 }
 
