@@ -162,7 +162,7 @@ run() { # label port size pace pids...   (pace: think time in ms per connection,
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
   p50=$(echo "$out" | awk '$1=="50%" {print $2}')
   p99=$(echo "$out" | awk '$1=="99%" {print $2}')
-  if echo "$out" | grep -q "Non-2xx"; then echo "$label: non-2xx answers: $out" >&2; exit 1; fi
+  if grep -q "Non-2xx" <<<"$out"; then echo "$label: non-2xx answers: $out" >&2; exit 1; fi
   # A missing figure would shift every later repeat's pairing in the report.
   if [ -z "$rps" ] || [ -z "$reqs" ] || [ -z "$p99" ]; then echo "$label: no result: $out" >&2; exit 1; fi
   local cpu="-" usr="-"

@@ -56,7 +56,7 @@ for strategy in cache_aware round_robin; do
     out=$(PACE_MS=0 STREAM=$stream BODY_BYTES=$size wrk -t1 -c64 -d"${secs}s" \
       -s "loadtest/$script.lua" "http://127.0.0.1:$GW_PORT" 2>&1)
     # Training on error answers would optimise the error path instead of the request path.
-    if echo "$out" | grep -q "Non-2xx"; then echo "build-pgo: non-2xx answers: $out" >&2; exit 1; fi
+    if grep -q "Non-2xx" <<<"$out"; then echo "build-pgo: non-2xx answers: $out" >&2; exit 1; fi
   done
   # SIGINT: pingora exits, and the profile runtime writes its counters at exit.
   kill -INT "$gw"
