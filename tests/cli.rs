@@ -7,7 +7,7 @@ use std::process::Command;
 
 fn check(routes: &str) -> (bool, String) {
     let dir = TempDir::new("cli");
-    let path = dir.0.join("routes.toml");
+    let path = dir.path().join("routes.toml");
     std::fs::write(&path, routes).unwrap();
     let out = Command::new(rolter_bin())
         .arg("-t")

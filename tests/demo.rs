@@ -11,12 +11,12 @@ use std::time::Duration;
 async fn demo_serves_and_routes_cache_aware() {
     let port = free_port();
     let dir = TempDir::new("demo");
-    let yaml = dir.0.join("pingora.yaml");
+    let yaml = dir.path().join("pingora.yaml");
     std::fs::write(
         &yaml,
         format!(
             "---\nversion: 1\nthreads: 1\npid_file: {0}/p.pid\nupgrade_sock: {0}/u.sock\n",
-            dir.0.display()
+            dir.path().display()
         ),
     )
     .unwrap();
@@ -30,7 +30,7 @@ async fn demo_serves_and_routes_cache_aware() {
     let gw = Gateway {
         child,
         port,
-        routes: dir.0.join("unused"),
+        routes: dir.path().join("unused"),
         dir,
     };
     let client = reqwest::Client::new();

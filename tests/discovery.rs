@@ -41,7 +41,7 @@ struct InProcess {
 impl InProcess {
     fn start(routes: &str, resolver: Arc<StaticResolver>) -> InProcess {
         let dir = TempDir::new("discovery");
-        let routes_path = dir.0.join("routes.toml");
+        let routes_path = dir.path().join("routes.toml");
         std::fs::write(&routes_path, routes).unwrap();
         let port = free_port();
         let cli = <rolter::server::Cli as clap::Parser>::parse_from([

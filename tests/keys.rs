@@ -57,7 +57,7 @@ fn set_env() {
 }
 
 fn keys_file(dir: &TempDir) -> std::path::PathBuf {
-    let path = dir.0.join("client-keys");
+    let path = dir.path().join("client-keys");
     std::fs::write(&path, format!("# clients\n{CLIENT_FILE_KEY}\n")).unwrap();
     path
 }
@@ -208,8 +208,8 @@ async fn metrics_and_health_can_be_protected_and_no_key_reaches_test_output() {
 
     // `-t` checks the file (keys read from the environment and the key file) and says
     // nothing of the keys.
-    let conf = write_pingora_yaml(&dir.0);
-    let routes_path = dir.0.join("routes.toml");
+    let conf = write_pingora_yaml(dir.path());
+    let routes_path = dir.path().join("routes.toml");
     std::fs::write(&routes_path, &text).unwrap();
     let out = Command::new(rolter_bin())
         .args(["-t", "-c"])

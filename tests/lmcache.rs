@@ -428,7 +428,7 @@ async fn a_name_repointed_to_a_denied_address_stops_being_polled() {
 /// A gateway that unexpectedly starts is killed after a bound.
 fn run_rolter(routes: &str, args: &[&str]) -> (bool, String) {
     let dir = TempDir::new("lmcache-cli");
-    let path = dir.0.join("routes.toml");
+    let path = dir.path().join("routes.toml");
     std::fs::write(&path, routes).unwrap();
     let mut child = Command::new(rolter_bin())
         .args(args)

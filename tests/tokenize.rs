@@ -115,13 +115,13 @@ async fn an_sdk_request_without_the_header_gets_precise_routing() {
 #[test]
 fn a_broken_tokenizer_directory_fails_the_check() {
     let dir = TempDir::new("tok");
-    let tok = dir.0.join("model");
+    let tok = dir.path().join("model");
     std::fs::create_dir_all(&tok).unwrap();
     std::fs::write(tok.join("tokenizer.json"), "{\"truncated").unwrap();
     let routes = "[[providers]]\nname = \"p\"\nkind = \"openai_compatible\"\napi_base = \"http://127.0.0.1:9\"\n\
                   [[routes]]\nmodel = \"m\"\nstrategy = \"precise_cache_aware\"\ntokenizer = \"model\"\n\
                   [[routes.targets]]\nprovider = \"p\"\nmodel = \"x\"\n";
-    let path = dir.0.join("routes.toml");
+    let path = dir.path().join("routes.toml");
     std::fs::write(&path, routes).unwrap();
     let check = || {
         Command::new(rolter_bin())

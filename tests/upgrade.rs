@@ -86,11 +86,11 @@ struct Seen {
 async fn a_new_process_takes_the_socket_over_and_no_client_is_refused() {
     let stub = Stub::start("a").await.unwrap();
     let dir = TempDir::new("upgrade");
-    let routes = dir.0.join("routes.toml");
+    let routes = dir.path().join("routes.toml");
     std::fs::write(&routes, routes_toml(&[stub.url()], "round_robin", "")).unwrap();
-    let conf = write_pingora_yaml(&dir.0);
-    let sock: PathBuf = dir.0.join("upgrade.sock");
-    let (old_log, new_log) = (dir.0.join("old.log"), dir.0.join("new.log"));
+    let conf = write_pingora_yaml(dir.path());
+    let sock: PathBuf = dir.path().join("upgrade.sock");
+    let (old_log, new_log) = (dir.path().join("old.log"), dir.path().join("new.log"));
     let port = free_port();
 
     let mut old = spawn(&conf, &routes, port, &old_log, false);

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,7 @@ pub struct Gateway {
 /// directories (`tempfile` creates it exclusively): tests run in parallel in one process,
 /// and a name two tests shared would let one test's drop remove the other's files, the
 /// log its gateway is still writing included.
-pub struct TempDir(pub PathBuf, tempfile::TempDir);
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
@@ -33,7 +33,11 @@ impl TempDir {
             .prefix(&format!("rolter-test-{tag}-"))
             .tempdir()
             .expect("a temporary directory");
-        TempDir(dir.path().to_path_buf(), dir)
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
     }
 }
 
@@ -128,12 +132,12 @@ impl Gateway {
     async fn spawn(routes: &str, extra: &[&str], logged: bool) -> Gateway {
         for _ in 0..3 {
             let dir = TempDir::new("gw");
-            let routes_path = dir.0.join("routes.toml");
+            let routes_path = dir.path().join("routes.toml");
             std::fs::write(&routes_path, routes).unwrap();
             let port = free_port();
-            let conf = pingora_yaml(&dir.0);
+            let conf = pingora_yaml(dir.path());
             let (level, stderr) = if logged {
-                let log = std::fs::File::create(dir.0.join(LOG_FILE)).unwrap();
+                let log = std::fs::File::create(dir.path().join(LOG_FILE)).unwrap();
                 ("info", Stdio::from(log))
             } else {
                 ("warn", Stdio::inherit())
@@ -169,7 +173,7 @@ impl Gateway {
 
     /// The log written so far by a gateway started with [`start_logged`](Self::start_logged).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join(LOG_FILE)).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join(LOG_FILE)).unwrap_or_default()
     }
 
     /// Wait until *our* process answers `/health`; false if it exited first.
