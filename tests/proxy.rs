@@ -40,6 +40,60 @@ async fn model_rewrite_and_a_1mib_prompt_arrive_byte_for_byte_over_a_reused_conn
     );
 }
 
+/// A body that arrives in bursts of mixed sizes (full 64 KiB reads the gateway takes over
+/// without a copy, reads that leave room and are copied, a last read shorter than 64 KiB)
+/// reaches the upstream byte for byte, and so does the next body on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_arriving_in_bursts_of_mixed_sizes_arrive_byte_for_byte() {
+    let stub = Stub::start("a").await.unwrap();
+    let gw = Gateway::start(&routes_toml(&[stub.url()], "round_robin", "")).await;
+    let client = reqwest::Client::new();
+    let content: String = (0..400_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    for (round, bursts) in [
+        vec![150_000, 10, 70_000, 1, 65_536, 3_000],
+        vec![1, 200_000, 7, 131_072],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = chat_body("alias", &content, false).into_bytes();
+        let mut chunks = Vec::new();
+        let mut at = 0;
+        for n in bursts {
+            chunks.push(body[at..at + n].to_vec());
+            at += n;
+        }
+        chunks.push(body[at..].to_vec());
+        let stream = futures_util::stream::iter(chunks).then(|c| async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, std::io::Error>(c)
+        });
+        let resp = client
+            .post(gw.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("content-length", body.len())
+            .timeout(Duration::from_secs(20))
+            .body(reqwest::Body::wrap_stream(stream))
+            .send()
+            .await
+            .expect("request to gateway");
+        assert_eq!(resp.status().as_u16(), 200, "round {round}");
+        let expected = String::from_utf8(body).unwrap().replacen(
+            "\"model\":\"alias\"",
+            "\"model\":\"upstream-model-0\"",
+            1,
+        );
+        let got = stub.recorded().pop().expect("recorded").body;
+        assert!(
+            got == expected.as_bytes(),
+            "round {round}: the body changed on the way"
+        );
+    }
+    assert_eq!(stub.recorded().len(), 2);
+}
+
 /// A gateway whose `limits.max_body_bytes` is 64 KiB, in front of one stub.
 async fn gateway_with_64k_body_limit() -> (Stub, Gateway) {
     let stub = Stub::start("a").await.unwrap();

@@ -4,8 +4,10 @@
 //! a chunked or lying body is refused as soon as it crosses the limit. After any refusal,
 //! the rest of the body is read and discarded for a bounded while ([`discard_rest`]).
 //!
-//! Copies: pingora hands each received chunk over as its own `Bytes` (its copy out of
-//! the connection's read buffer, up to 64 KiB at a time). They are held as they are, as
+//! Copies: pingora hands each received chunk over as its own `Bytes`, up to 64 KiB at a
+//! time (a sized body's read that filled its buffer: that buffer; any other: a copy out of
+//! it, at its size; vendor/README.md, rolter's patch of pingora-core), each keeping its
+//! bytes allocated and no more. They are held as they are, as
 //! the body's pieces ([`BodyBuf`]), not copied again: the first `HELD_FREE` whatever their
 //! size, later ones from `MIN_PIECE` bytes on. A shorter later chunk (a client trickling
 //! its body) is copied into a piece being gathered, closed at `MIN_PIECE` bytes (or copied
