@@ -400,8 +400,11 @@ impl BodyReader {
         let body_buf_mut = self.body_buf.as_mut().expect("must have read body buf");
         // remove unused buffer
         body_buf_mut.truncate(total_read);
-        let overread_bytes = body_buf_mut.split_off(end_of_body);
-        self.body_buf_overread = (!overread_bytes.is_empty()).then_some(overread_bytes);
+        // Split only when bytes were read past the body: `split_off` at the end would set
+        // the buffer's capacity to its length, and `take_body` would hand over a short last
+        // read with the whole buffer behind it (rolter's patch).
+        self.body_buf_overread =
+            (total_read > end_of_body).then(|| body_buf_mut.split_off(end_of_body));
     }
 
     pub async fn read_body<S>(&mut self, stream: &mut S) -> Result<Option<BufRef>>
