@@ -374,8 +374,8 @@ mod tests {
     }
 
     /// Read one request with a `Content-Length` body from pingora, the client writing it in
-    /// `writes` (each sent after the last one was read, so each is one read), and return
-    /// the pieces pingora handed over, after the session is gone.
+    /// `writes` (each sent once every byte before it was read), and return the pieces
+    /// pingora handed over, after the session is gone.
     async fn pieces_from_pingora(writes: &[usize]) -> Vec<Bytes> {
         use pingora::protocols::http::v1::server::HttpSession;
         use tokio::io::AsyncWriteExt;
@@ -427,7 +427,10 @@ mod tests {
             vec![30_000, 60_000, 10_000],
             vec![65_536, 20_000],
         ] {
-            let pieces = pieces_from_pingora(&writes).await;
+            let pieces =
+                tokio::time::timeout(Duration::from_secs(10), pieces_from_pingora(&writes))
+                    .await
+                    .expect("the body is read within 10 s");
             let total: usize = pieces.iter().map(Bytes::len).sum();
             assert_eq!(total, writes.iter().sum::<usize>());
             for piece in pieces {
