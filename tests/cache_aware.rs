@@ -174,7 +174,6 @@ async fn a_route_reading_no_prompt_resumes_the_walk_and_keeps_the_model() {
 /// once, and each replica receives the body byte for byte with only the model replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_trickled_in_small_writes_resumes_and_arrives_whole() {
-    use futures_util::StreamExt;
     let (stubs, gw) = two_replicas("cache_aware").await;
     for s in &stubs {
         s.set_recording(true);
@@ -185,19 +184,8 @@ async fn a_conversation_trickled_in_small_writes_resumes_and_arrives_whole() {
         let body = conversation(&system, 7, turns);
         assert!(body.len() > 32 << 10);
         let chunks: Vec<Vec<u8>> = body.as_bytes().chunks(700).map(<[u8]>::to_vec).collect();
-        let stream = futures_util::stream::iter(chunks).then(|c| async move {
-            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            Ok::<_, std::io::Error>(c)
-        });
-        let resp = client
-            .post(gw.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .header("content-length", body.len())
-            .timeout(std::time::Duration::from_secs(20))
-            .body(reqwest::Body::wrap_stream(stream))
-            .send()
-            .await
-            .expect("request to gateway");
+        let resp =
+            post_chat_in_pieces(&client, &gw, chunks, std::time::Duration::from_millis(1)).await;
         assert_eq!(resp.status().as_u16(), 200, "turn {turns}");
         let id = resp.headers().get("x-stub-id").unwrap().to_str().unwrap();
         let (stub, model) = match id {

@@ -51,6 +51,8 @@ async fn bodies_arriving_in_bursts_of_mixed_sizes_arrive_byte_for_byte() {
     let content: String = (0..400_000u32)
         .map(|i| char::from(b'a' + (i % 26) as u8))
         .collect();
+    let body = chat_body("alias", &content, false);
+    let expected = body.replacen("\"model\":\"alias\"", "\"model\":\"upstream-model-0\"", 1);
     for (round, bursts) in [
         vec![150_000, 10, 70_000, 1, 65_536, 3_000],
         vec![1, 200_000, 7, 131_072],
@@ -58,33 +60,15 @@ async fn bodies_arriving_in_bursts_of_mixed_sizes_arrive_byte_for_byte() {
     .into_iter()
     .enumerate()
     {
-        let body = chat_body("alias", &content, false).into_bytes();
         let mut chunks = Vec::new();
         let mut at = 0;
         for n in bursts {
-            chunks.push(body[at..at + n].to_vec());
+            chunks.push(body.as_bytes()[at..at + n].to_vec());
             at += n;
         }
-        chunks.push(body[at..].to_vec());
-        let stream = futures_util::stream::iter(chunks).then(|c| async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            Ok::<_, std::io::Error>(c)
-        });
-        let resp = client
-            .post(gw.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .header("content-length", body.len())
-            .timeout(Duration::from_secs(20))
-            .body(reqwest::Body::wrap_stream(stream))
-            .send()
-            .await
-            .expect("request to gateway");
+        chunks.push(body.as_bytes()[at..].to_vec());
+        let resp = post_chat_in_pieces(&client, &gw, chunks, Duration::from_millis(20)).await;
         assert_eq!(resp.status().as_u16(), 200, "round {round}");
-        let expected = String::from_utf8(body).unwrap().replacen(
-            "\"model\":\"alias\"",
-            "\"model\":\"upstream-model-0\"",
-            1,
-        );
         let got = stub.recorded().pop().expect("recorded").body;
         assert!(
             got == expected.as_bytes(),

@@ -294,6 +294,32 @@ pub async fn post_chat_with(
     (status, stub, resp.text().await.unwrap())
 }
 
+/// POST a chat body to the gateway in `pieces` (its bytes, in order), each written `gap`
+/// after the one before, under the whole body's Content-Length; `client` keeps its
+/// connection for the next call. Returns the response.
+pub async fn post_chat_in_pieces(
+    client: &reqwest::Client,
+    gw: &Gateway,
+    pieces: Vec<Vec<u8>>,
+    gap: Duration,
+) -> reqwest::Response {
+    use futures_util::StreamExt;
+    let len: usize = pieces.iter().map(Vec::len).sum();
+    let stream = futures_util::stream::iter(pieces).then(move |piece| async move {
+        tokio::time::sleep(gap).await;
+        Ok::<_, std::io::Error>(piece)
+    });
+    client
+        .post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("content-length", len)
+        .timeout(Duration::from_secs(20))
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .expect("request to gateway")
+}
+
 /// Poll `check` until it returns true or `limit` passes.
 pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
 where
