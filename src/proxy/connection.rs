@@ -28,7 +28,8 @@
 //!   session's *pipelined prefix* (`ServerSession::set_pipelined_prefix`, pingora's public
 //!   hook for bytes already read from a connection), which pingora parses in place as its
 //!   header buffer and keeps the body bytes in as its first body buffer: the bytes are
-//!   copied once (out of the scratch buffer) and parsed once;
+//!   parsed once, and copied out of the scratch buffer only when the read left room in it
+//!   (a read that filled it is taken whole, see `keep_read`);
 //! - after a flood of connections closes, each worker thread returns the memory it freed
 //!   to the OS (see `BIG_DROP_FROM`).
 //!
@@ -55,8 +56,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
+use tokio_util::io::poll_read_buf;
 
 /// How long connections already accepted keep being served after the listener closes;
 /// below the shipped `grace_period_seconds`. On shutdown (SIGTERM, or SIGQUIT after a `-u`
@@ -72,6 +74,10 @@ const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
 /// body) arrives in one read, as it did through pingora's 64 KiB L4 buffer.
 const SCRATCH_LEN: usize = 64 * 1024;
 
+/// How long a header wait reads before it also watches for the gateway's stop (see
+/// `read_head`): the longest an idle connection stays open once the stop is signalled.
+const QUIET_WAIT: Duration = Duration::from_millis(100);
+
 /// How long an error answer to a header (408, 431) may take to write, and how long, and
 /// for how long without a byte, the rest of a refused header is read and discarded before
 /// the connection closes (so the client sees the answer instead of a reset).
@@ -81,7 +87,7 @@ const LINGER_IDLE: Duration = Duration::from_millis(500);
 
 thread_local! {
     /// The buffer header waits on this worker thread read into (see the module docs).
-    static SCRATCH: RefCell<Box<[u8]>> = RefCell::new(vec![0; SCRATCH_LEN].into_boxed_slice());
+    static SCRATCH: RefCell<BytesMut> = RefCell::new(BytesMut::with_capacity(SCRATCH_LEN));
 }
 
 /// The proxy port's connection handling, around pingora's HTTP proxy app `A`.
@@ -291,11 +297,22 @@ async fn read_head(
         };
         // pingora's timer (one shared timer per 10 ms of expiry), armed only if the read
         // pends: the same cost as pingora's own per-read timeout that this wait replaces.
-        let read = pingora::time::timeout(wait, read_some(stream, |b| held.extend_from_slice(b)));
-        let read = tokio::select! {
-            biased;
-            read = read => read,
-            _ = stop.changed() => return Head::Closed,
+        // The stop signal is watched only once the read has waited `QUIET_WAIT`: a request
+        // arriving on a busy keep-alive connection never registers with it (a waiter's
+        // registration and removal take the signal's lock), while an idle connection
+        // still closes within `QUIET_WAIT` of the stop.
+        let quiet = wait.min(QUIET_WAIT);
+        let mut keep = |read: &mut BytesMut| keep_read(&mut held, read);
+        let read = match pingora::time::timeout(quiet, read_some(stream, &mut keep)).await {
+            Err(_) if quiet < wait => {
+                let read = pingora::time::timeout(wait - quiet, read_some(stream, &mut keep));
+                tokio::select! {
+                    biased;
+                    read = read => read,
+                    _ = stop.changed() => return Head::Closed,
+                }
+            }
+            read => read,
         };
         match read {
             Ok(Ok(0)) | Ok(Err(_)) => return Head::Closed,
@@ -319,23 +336,38 @@ async fn read_head(
     }
 }
 
-/// Read what `stream` has and hand it to `keep` (through the per-thread scratch buffer, so
-/// nothing is allocated while the read pends); the number of bytes read, 0 at EOF.
-async fn read_some(stream: &mut Stream, mut keep: impl FnMut(&[u8])) -> std::io::Result<usize> {
+/// Read what `stream` has into the per-thread scratch buffer and hand it to `keep`, which
+/// may take the buffer (nothing is allocated while the read pends); the number of bytes
+/// read, 0 at EOF.
+async fn read_some(
+    stream: &mut Stream,
+    mut keep: impl FnMut(&mut BytesMut),
+) -> std::io::Result<usize> {
     poll_fn(|cx| {
         SCRATCH.with_borrow_mut(|scratch| {
-            let mut buf = ReadBuf::new(scratch);
-            match Pin::new(&mut *stream).poll_read(cx, &mut buf) {
-                Poll::Ready(Ok(())) => {
-                    keep(buf.filled());
-                    Poll::Ready(Ok(buf.filled().len()))
-                }
-                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
+            let read = poll_read_buf(Pin::new(&mut *stream), cx, scratch);
+            if let Poll::Ready(Ok(_)) = read {
+                keep(scratch);
+                scratch.clear();
             }
+            read
         })
     })
     .await
+}
+
+/// Add the bytes of one read (`read`, the scratch buffer) to `held`. A read that starts a
+/// header and filled all of the scratch buffer's room (a long request arriving at once) is
+/// taken whole, and the thread gets a fresh scratch buffer: its bytes are not copied (the
+/// body bytes in it reach pingora, then the route, in that same allocation); any other read
+/// is copied. Either way `held` owns no more room than its bytes, so a request's body
+/// bytes that came with its header are charged exactly (`proxy::body`).
+fn keep_read(held: &mut BytesMut, read: &mut BytesMut) {
+    if held.is_empty() && read.len() == read.capacity() {
+        *held = std::mem::replace(read, BytesMut::with_capacity(SCRATCH_LEN));
+    } else {
+        held.extend_from_slice(read);
+    }
 }
 
 /// Where a request's header section ends, found in bytes that arrive in pieces: each byte
@@ -437,6 +469,116 @@ async fn linger(stream: &mut Stream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept-alive connection's wait for its next header on loopback: `act` gets the
+    /// client's end and the stop signal; what the wait returned, and how long it took.
+    async fn wait_for_head<F, Fut>(act: F) -> (Head, Duration)
+    where
+        F: FnOnce(tokio::net::TcpStream, watch::Sender<bool>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let mut stream: Stream = Box::new(pingora::protocols::l4::stream::Stream::from(server));
+        let (stop, mut stopped) = watch::channel(false);
+        let limits = HeadLimits {
+            timeout: Duration::from_secs(5),
+            max_bytes: 8192,
+            keepalive: Duration::from_secs(30),
+        };
+        let acting = tokio::spawn(act(client, stop));
+        let started = Instant::now();
+        let head = tokio::time::timeout(
+            Duration::from_secs(10),
+            read_head(&mut stream, None, &limits, &mut stopped),
+        )
+        .await
+        .expect("the wait ended by itself");
+        let took = started.elapsed();
+        acting.abort();
+        (head, took)
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_closes_soon_after_the_stop_and_a_late_header_is_still_read() {
+        const REQ: &[u8] = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n";
+        // The stop, signalled while the connection idles: closed within QUIET_WAIT of it,
+        // not at the 30 s keep-alive time.
+        let (head, took) = wait_for_head(|client, stop| async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            stop.send(true).unwrap();
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop(client);
+        })
+        .await;
+        assert!(matches!(head, Head::Closed), "{head:?}");
+        assert!(took < Duration::from_secs(3), "closed after {took:?}");
+        // ... and signalled after the wait started watching it.
+        let (head, took) = wait_for_head(|client, stop| async move {
+            tokio::time::sleep(QUIET_WAIT * 3).await;
+            stop.send(true).unwrap();
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop(client);
+        })
+        .await;
+        assert!(matches!(head, Head::Closed), "{head:?}");
+        assert!(took < Duration::from_secs(3), "closed after {took:?}");
+        // A header arriving at once, after the wait began watching the stop, and in two
+        // parts across it: each is read whole.
+        for (first, gap) in [
+            (REQ.len(), Duration::ZERO),
+            (0, QUIET_WAIT * 3),
+            (5, QUIET_WAIT * 3),
+        ] {
+            let (head, _) = wait_for_head(move |mut client, stop| async move {
+                client.write_all(&REQ[..first]).await.unwrap();
+                tokio::time::sleep(gap).await;
+                client.write_all(&REQ[first..]).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(stop);
+            })
+            .await;
+            match head {
+                Head::Ready(bytes) => assert_eq!(&bytes[..], REQ, "first {first}, gap {gap:?}"),
+                other => panic!("first {first}, gap {gap:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_that_fills_the_scratch_buffer_is_taken_whole_and_any_other_copied() {
+        let fresh = || BytesMut::with_capacity(SCRATCH_LEN);
+        // A full first read: `held` gets that allocation, the scratch buffer a fresh one.
+        let mut read = fresh();
+        read.extend_from_slice(&[7; SCRATCH_LEN]);
+        let at = read.as_ptr();
+        let mut held = BytesMut::new();
+        keep_read(&mut held, &mut read);
+        assert_eq!(held.as_ptr(), at);
+        assert_eq!((held.len(), held.capacity()), (SCRATCH_LEN, SCRATCH_LEN));
+        assert!(read.is_empty());
+        assert_eq!(read.capacity(), SCRATCH_LEN);
+        assert_ne!(read.as_ptr(), at);
+        // A later full read adds to what is held, copied.
+        read.extend_from_slice(&[8; SCRATCH_LEN]);
+        let next = read.as_ptr();
+        keep_read(&mut held, &mut read);
+        assert_eq!(held.len(), 2 * SCRATCH_LEN);
+        assert_eq!(&held[SCRATCH_LEN - 1..SCRATCH_LEN + 1], &[7, 8]);
+        assert_eq!(read.as_ptr(), next, "the scratch buffer stays the thread's");
+        // A short first read is copied at its size; the scratch buffer stays.
+        let mut read = fresh();
+        read.extend_from_slice(b"GET / HTTP/1.1\r\n");
+        let at = read.as_ptr();
+        let mut held = BytesMut::new();
+        keep_read(&mut held, &mut read);
+        assert_eq!(&held[..], b"GET / HTTP/1.1\r\n");
+        assert_eq!(held.capacity(), held.len());
+        assert_eq!(read.as_ptr(), at);
+    }
 
     /// Feed `pieces` one after another; the end found, and after which piece.
     fn end_of(pieces: &[&[u8]]) -> Option<(usize, usize)> {
