@@ -303,12 +303,17 @@ async fn read_head(
         // still closes within `QUIET_WAIT` of the stop. (A header still arriving in
         // pieces less than `QUIET_WAIT` apart is left to its deadline, or to the
         // runtime's end after the grace period.)
-        let until = Instant::now() + wait;
         let quiet = wait.min(QUIET_WAIT);
         let mut keep = |read: &mut BytesMut| keep_read(&mut held, read);
         let read = match pingora::time::timeout(quiet, read_some(stream, &mut keep)).await {
             Err(_) if quiet < wait => {
-                let left = until.saturating_duration_since(Instant::now());
+                // The rest: to the header's deadline, or (a kept-alive connection waiting
+                // for its next request) the keep-alive time less the quiet wait, which
+                // the timer's rounding may stretch by a few ms (no clock read for it).
+                let left = match deadline {
+                    Some(d) => d.saturating_duration_since(Instant::now()),
+                    None => wait - quiet,
+                };
                 let read = pingora::time::timeout(left, read_some(stream, &mut keep));
                 tokio::select! {
                     biased;
