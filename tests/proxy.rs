@@ -604,7 +604,7 @@ async fn counting_upstream(
 
 /// A connection whose response said it ends (`connection: close`, or HTTP/1.0 without
 /// keep-alive) never goes back to the pool, even if the upstream leaves it open; an
-/// ordinary keep-alive response does.
+/// ordinary keep-alive response, or an HTTP/1.0 one asking for keep-alive, does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
     use std::sync::atomic::Ordering;
@@ -612,6 +612,13 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
         ("HTTP/1.1 200 OK", "", true),
         ("HTTP/1.1 200 OK", "connection: close\r\n", false),
         ("HTTP/1.0 200 OK", "", false),
+        // The gateway forwards the upstream's header without copying it; what stays with
+        // the upstream session must still carry the keep-alive headers.
+        (
+            "HTTP/1.0 200 OK",
+            "connection: keep-alive\r\nkeep-alive: timeout=30\r\n",
+            true,
+        ),
     ] {
         let (addr, conns, answered) = counting_upstream(status_line, extra).await;
         let gw = Gateway::start(&one_target_without_probes(addr)).await;

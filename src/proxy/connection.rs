@@ -78,6 +78,13 @@ const SCRATCH_LEN: usize = 64 * 1024;
 /// `read_head`): the longest an idle connection stays open once the stop is signalled.
 const QUIET_WAIT: Duration = Duration::from_millis(100);
 
+/// A connection's timer for `QUIET_WAIT`, kept across its requests (see `read_head`).
+type QuietTimer = Pin<Box<tokio::time::Sleep>>;
+
+fn quiet_timer() -> QuietTimer {
+    Box::pin(tokio::time::sleep(QUIET_WAIT))
+}
+
 /// How long an error answer to a header (408, 431) may take to write, and how long, and
 /// for how long without a byte, the rest of a refused header is read and discarded before
 /// the connection closes (so the client sees the answer instead of a reset).
@@ -217,6 +224,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A
             return None;
         };
         let mut stop = self.stop.subscribe();
+        let mut timer = quiet_timer();
         let mut first = true;
         let mut persistent = None;
         loop {
@@ -231,7 +239,15 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A
             // A first request's whole header is due `timeout` after the accept; a later one
             // may idle for the keep-alive time, then is due `timeout` after its first byte.
             let first_deadline = first.then(|| accepted + limits.timeout);
-            let prefix = match read_head(&mut stream, first_deadline, &limits, &mut stop).await {
+            let prefix = match read_head(
+                &mut stream,
+                first_deadline,
+                &limits,
+                &mut stop,
+                &mut timer,
+            )
+            .await
+            {
                 Head::Ready(prefix) => prefix,
                 Head::Closed => return None,
                 Head::TooLarge => {
@@ -286,6 +302,7 @@ async fn read_head(
     first_deadline: Option<Instant>,
     limits: &HeadLimits,
     stop: &mut watch::Receiver<bool>,
+    timer: &mut QuietTimer,
 ) -> Head {
     let mut held = BytesMut::new();
     let mut end = HeadEnd::default();
@@ -295,18 +312,26 @@ async fn read_head(
             Some(d) => d.saturating_duration_since(Instant::now()),
             None => limits.keepalive,
         };
-        // pingora's timer (one shared timer per 10 ms of expiry), armed only if the read
-        // pends: the same cost as pingora's own per-read timeout that this wait replaces.
-        // The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
+        // The quiet wait's timer is the connection's own, re-armed for each wait by moving
+        // its deadline later: while it has not fired that is one atomic update (tokio's
+        // timer), where a timer per wait joins and leaves the runtime's timer wheel each
+        // time. It fires at most once per request that outlasts it (one extra poll of the
+        // connection's task, which finds nothing to do). The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
         // arriving on a busy keep-alive connection never registers with it (a waiter's
         // registration and removal take the signal's lock), while an idle connection
         // still closes within `QUIET_WAIT` of the stop. (A header still arriving in
         // pieces less than `QUIET_WAIT` apart is left to its deadline, or to the
         // runtime's end after the grace period.)
         let quiet = wait.min(QUIET_WAIT);
+        timer.as_mut().reset(tokio::time::Instant::now() + quiet);
         let mut keep = |read: &mut BytesMut| keep_read(&mut held, read);
-        let read = match pingora::time::timeout(quiet, read_some(stream, &mut keep)).await {
-            Err(_) if quiet < wait => {
+        let read = tokio::select! {
+            biased;
+            read = read_some(stream, &mut keep) => Ok(read),
+            () = timer.as_mut() => Err(()),
+        };
+        let read = match read {
+            Err(()) if quiet < wait => {
                 // The rest: to the header's deadline, or (a kept-alive connection waiting
                 // for its next request) the keep-alive time less the quiet wait, which
                 // the timer's rounding may stretch by a few ms (no clock read for it).
@@ -317,7 +342,7 @@ async fn read_head(
                 let read = pingora::time::timeout(left, read_some(stream, &mut keep));
                 tokio::select! {
                     biased;
-                    read = read => read,
+                    read = read => read.map_err(|_| ()),
                     _ = stop.changed() => return Head::Closed,
                 }
             }
@@ -482,6 +507,27 @@ async fn linger(stream: &mut Stream) {
 mod tests {
     use super::*;
 
+    fn test_limits() -> HeadLimits {
+        HeadLimits {
+            timeout: Duration::from_secs(5),
+            max_bytes: 8192,
+            keepalive: Duration::from_secs(30),
+        }
+    }
+
+    /// A connection on loopback: the client's end and the gateway's, as pingora wraps it.
+    async fn loopback() -> (tokio::net::TcpStream, Stream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (
+            client,
+            Box::new(pingora::protocols::l4::stream::Stream::from(server)),
+        )
+    }
+
     /// A kept-alive connection's wait for its next header on loopback: `act` gets the
     /// client's end and the stop signal; what the wait returned, and how long it took.
     async fn wait_for_head<F, Fut>(act: F) -> (Head, Duration)
@@ -489,29 +535,73 @@ mod tests {
         F: FnOnce(tokio::net::TcpStream, watch::Sender<bool>) -> Fut,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let (server, _) = listener.accept().await.unwrap();
-        let mut stream: Stream = Box::new(pingora::protocols::l4::stream::Stream::from(server));
+        let (client, mut stream) = loopback().await;
         let (stop, mut stopped) = watch::channel(false);
-        let limits = HeadLimits {
-            timeout: Duration::from_secs(5),
-            max_bytes: 8192,
-            keepalive: Duration::from_secs(30),
-        };
         let acting = tokio::spawn(act(client, stop));
         let started = Instant::now();
         let head = tokio::time::timeout(
             Duration::from_secs(10),
-            read_head(&mut stream, None, &limits, &mut stopped),
+            read_head(
+                &mut stream,
+                None,
+                &test_limits(),
+                &mut stopped,
+                &mut quiet_timer(),
+            ),
         )
         .await
         .expect("the wait ended by itself");
         let took = started.elapsed();
         acting.abort();
         (head, took)
+    }
+
+    /// The connection's one quiet timer serves every wait: re-armed while pending (the
+    /// next request came at once), after it fired (a request came after a pause), and
+    /// it still ends an idle wait soon after the stop.
+    #[tokio::test]
+    async fn one_timer_serves_all_of_a_connections_waits() {
+        const REQ: &[u8] = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n";
+        let (mut client, mut stream) = loopback().await;
+        let (stop, mut stopped) = watch::channel(false);
+        let (limits, mut timer) = (test_limits(), quiet_timer());
+        for gap in [
+            Duration::ZERO,
+            QUIET_WAIT * 3,
+            Duration::ZERO,
+            QUIET_WAIT / 2,
+        ] {
+            let write = async {
+                tokio::time::sleep(gap).await;
+                client.write_all(REQ).await.unwrap();
+            };
+            let wait = read_head(&mut stream, None, &limits, &mut stopped, &mut timer);
+            let (head, ()) =
+                tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(wait, write) })
+                    .await
+                    .expect("the wait ended by itself");
+            match head {
+                Head::Ready(bytes) => assert_eq!(&bytes[..], REQ, "gap {gap:?}"),
+                other => panic!("gap {gap:?}: {other:?}"),
+            }
+        }
+        let started = Instant::now();
+        let stopping = async {
+            tokio::time::sleep(QUIET_WAIT * 2).await;
+            stop.send(true).unwrap();
+        };
+        let wait = read_head(&mut stream, None, &limits, &mut stopped, &mut timer);
+        let (head, ()) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(wait, stopping)
+        })
+        .await
+        .expect("the wait ended by itself");
+        assert!(matches!(head, Head::Closed), "{head:?}");
+        let took = started.elapsed();
+        assert!(
+            took < QUIET_WAIT * 2 + Duration::from_millis(700),
+            "closed after {took:?}"
+        );
     }
 
     #[tokio::test]

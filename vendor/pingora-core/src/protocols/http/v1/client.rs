@@ -23,6 +23,9 @@ use pingora_timeout::timeout;
 use std::io::ErrorKind;
 use std::str;
 use std::time::Duration;
+
+// rolter patch: the header `take_resp_header` leaves in place.
+const KEEP_ALIVE: header::HeaderName = header::HeaderName::from_static("keep-alive");
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::body::{BodyReader, BodyWriter};
@@ -439,6 +442,33 @@ impl HttpSession {
         self.read_response().await?;
         // safe to unwrap because it is just read
         Ok(Box::new(self.resp_header().unwrap().clone()))
+    }
+
+    /// Take the response header out, to forward it without a copy (a rolter patch, see the
+    /// workspace's `vendor/README.md`). Once the body reader is set up from the header, this
+    /// session reads only the status, the version and the `Connection`, `Keep-Alive` and
+    /// `Transfer-Encoding` headers from it (the keep-alive decision of
+    /// [`Self::respect_keepalive()`]); a header with just those stays in its place. Before
+    /// that (no header read, or an informational one) this returns a copy.
+    pub fn take_resp_header(&mut self) -> Option<Box<ResponseHeader>> {
+        let full = self.response_header.as_deref()?;
+        if self.body_reader.need_init() {
+            return Some(Box::new(full.clone()));
+        }
+        let keepalive_part = || -> Result<ResponseHeader> {
+            let mut rest = ResponseHeader::build_no_case(full.status, Some(0))?;
+            rest.set_version(full.version);
+            for name in [header::CONNECTION, header::TRANSFER_ENCODING, KEEP_ALIVE] {
+                for value in full.headers.get_all(&name) {
+                    rest.append_header(name.clone(), value.clone())?;
+                }
+            }
+            Ok(rest)
+        };
+        match keepalive_part() {
+            Ok(rest) => self.response_header.replace(Box::new(rest)),
+            Err(_) => Some(Box::new(full.clone())),
+        }
     }
 
     /// Return a reference of the [`ResponseHeader`] if the response is read
