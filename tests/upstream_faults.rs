@@ -98,7 +98,12 @@ async fn read_request(conn: &mut TcpStream) -> Option<String> {
 
 /// POST a chat request; (status, parsed JSON body or Null, raw body).
 async fn chat(gw: &Gateway) -> (u16, serde_json::Value, String) {
-    let resp = reqwest::Client::new()
+    chat_on(&reqwest::Client::new(), gw).await
+}
+
+/// [`chat`] through `client` (which may reuse its connection to the gateway).
+async fn chat_on(client: &reqwest::Client, gw: &Gateway) -> (u16, serde_json::Value, String) {
+    let resp = client
         .post(gw.url("/v1/chat/completions"))
         .header("content-type", "application/json")
         .timeout(Duration::from_secs(20))
@@ -163,25 +168,57 @@ async fn an_upstream_flooding_100_continue_is_a_502_after_a_few() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_sending_100_continue_within_each_read_timeout_is_a_504_at_the_head_deadline() {
     // Every 300 ms: each read is well within the 1 s read timeout, and 1 s holds fewer
-    // 1xx than the count bound, so only a deadline on the whole head ends it.
-    let up = continue_forever(Duration::from_millis(300)).await;
+    // 1xx than the count bound, so only a deadline on the whole head ends it. The first
+    // request is answered at once, the later ones never, through a client that keeps its
+    // connection to the gateway when it can: a connection's head timer serves each of its
+    // requests (armed and left pending by the first, fired by the second, armed again by
+    // the third).
+    let served = Arc::new(AtomicUsize::new(0));
+    let up = ScriptedUpstream::start(move |mut conn| {
+        let first = served.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                let _ = conn.write_all(ok).await;
+                return;
+            }
+            while conn
+                .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                .await
+                .is_ok()
+            {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    })
+    .await;
     let gw = Gateway::start(&routes_toml(
         &[up.url()],
         "round_robin",
         "[limits]\nread_timeout_ms = 1000\n",
     ))
     .await;
-    let started = Instant::now();
-    let (status, json, text) = chat(&gw).await;
-    let took = started.elapsed();
-    assert_eq!(status, 504, "{text}");
-    assert_eq!(json["error"]["code"], "upstream_timeout", "{text}");
-    assert_eq!(json["error"]["type"], "upstream_error", "{text}");
-    assert!(
-        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
-        "answered after {took:?}"
-    );
-    assert_eq!(errors_of(&gw, "upstream_timeout").await, Some(1.0));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    for i in 0..3 {
+        let started = Instant::now();
+        let (status, json, text) = chat_on(&client, &gw).await;
+        let took = started.elapsed();
+        if i == 0 {
+            assert_eq!(status, 200, "{text}");
+            continue;
+        }
+        assert_eq!(status, 504, "request {i}: {text}");
+        assert_eq!(json["error"]["code"], "upstream_timeout", "{text}");
+        assert_eq!(json["error"]["type"], "upstream_error", "{text}");
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+            "request {i} answered after {took:?}"
+        );
+    }
+    assert_eq!(errors_of(&gw, "upstream_timeout").await, Some(2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
