@@ -41,7 +41,6 @@
 //! at its deadline (first request) or keep-alive timeout (later ones), as before.
 
 use super::error::GatewayError;
-use super::timers::{self, ConnectionTimer, Elapsed};
 use crate::metrics::METRICS;
 use crate::runtime::Runtime;
 use async_trait::async_trait;
@@ -78,6 +77,13 @@ const SCRATCH_LEN: usize = 64 * 1024;
 /// How long a header wait reads before it also watches for the gateway's stop (see
 /// `read_head`): the longest an idle connection stays open once the stop is signalled.
 const QUIET_WAIT: Duration = Duration::from_millis(100);
+
+/// A connection's timer for `QUIET_WAIT`, kept across its requests (see `read_head`).
+type QuietTimer = Pin<Box<tokio::time::Sleep>>;
+
+fn quiet_timer() -> QuietTimer {
+    Box::pin(tokio::time::sleep(QUIET_WAIT))
+}
 
 /// How long an error answer to a header (408, 431) may take to write, and how long, and
 /// for how long without a byte, the rest of a refused header is read and discarded before
@@ -218,9 +224,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A
             return None;
         };
         let mut stop = self.stop.subscribe();
-        // Kept across the connection's requests (`timers`): the header wait's, and the
-        // upstream head's, lent to each request.
-        let (mut quiet_timer, mut head_timer) = (ConnectionTimer::default(), None);
+        let mut timer = quiet_timer();
         let mut first = true;
         let mut persistent = None;
         loop {
@@ -240,7 +244,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A
                 first_deadline,
                 &limits,
                 &mut stop,
-                &mut quiet_timer,
+                &mut timer,
             )
             .await
             {
@@ -276,8 +280,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A
             // rolter never enables pipelining, so a reused connection's settings carry no
             // prefix of their own for this one to replace.
             session.set_pipelined_prefix(prefix);
-            let serve = self.app.process_new_http(session, shutdown);
-            let reused = timers::with_lent_head_timer(&mut head_timer, serve).await?;
+            let reused = self.app.process_new_http(session, shutdown).await?;
             (stream, persistent) = reused.consume();
             first = false;
         }
@@ -299,7 +302,7 @@ async fn read_head(
     first_deadline: Option<Instant>,
     limits: &HeadLimits,
     stop: &mut watch::Receiver<bool>,
-    timer: &mut ConnectionTimer,
+    timer: &mut QuietTimer,
 ) -> Head {
     let mut held = BytesMut::new();
     let mut end = HeadEnd::default();
@@ -309,17 +312,26 @@ async fn read_head(
             Some(d) => d.saturating_duration_since(Instant::now()),
             None => limits.keepalive,
         };
-        // The quiet wait's timer is the connection's own (`timers`): re-arming it is one
-        // atomic update. The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
+        // The quiet wait's timer is the connection's own, re-armed for each wait by moving
+        // its deadline later: while it has not fired that is one atomic update (tokio's
+        // timer), where a timer per wait joins and leaves the runtime's timer wheel each
+        // time. It fires at most once per request that outlasts it (one extra poll of the
+        // connection's task, which finds nothing to do). The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
         // arriving on a busy keep-alive connection never registers with it (a waiter's
         // registration and removal take the signal's lock), while an idle connection
         // still closes within `QUIET_WAIT` of the stop. (A header still arriving in
         // pieces less than `QUIET_WAIT` apart is left to its deadline, or to the
         // runtime's end after the grace period.)
         let quiet = wait.min(QUIET_WAIT);
+        timer.as_mut().reset(tokio::time::Instant::now() + quiet);
         let mut keep = |read: &mut BytesMut| keep_read(&mut held, read);
-        let read = match timer.timeout(quiet, read_some(stream, &mut keep)).await {
-            Err(Elapsed) if quiet < wait => {
+        let read = tokio::select! {
+            biased;
+            read = read_some(stream, &mut keep) => Ok(read),
+            () = timer.as_mut() => Err(()),
+        };
+        let read = match read {
+            Err(()) if quiet < wait => {
                 // The rest: to the header's deadline, or (a kept-alive connection waiting
                 // for its next request) the keep-alive time less the quiet wait, which
                 // the timer's rounding may stretch by a few ms (no clock read for it).
@@ -330,7 +342,7 @@ async fn read_head(
                 let read = pingora::time::timeout(left, read_some(stream, &mut keep));
                 tokio::select! {
                     biased;
-                    read = read => read.map_err(|_| Elapsed),
+                    read = read => read.map_err(|_| ()),
                     _ = stop.changed() => return Head::Closed,
                 }
             }
@@ -534,7 +546,7 @@ mod tests {
                 None,
                 &test_limits(),
                 &mut stopped,
-                &mut ConnectionTimer::default(),
+                &mut quiet_timer(),
             ),
         )
         .await
@@ -552,7 +564,7 @@ mod tests {
         const REQ: &[u8] = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n";
         let (mut client, mut stream) = loopback().await;
         let (stop, mut stopped) = watch::channel(false);
-        let (limits, mut timer) = (test_limits(), ConnectionTimer::default());
+        let (limits, mut timer) = (test_limits(), quiet_timer());
         for gap in [
             Duration::ZERO,
             QUIET_WAIT * 3,

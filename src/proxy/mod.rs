@@ -31,7 +31,6 @@ pub mod models;
 pub mod pool;
 mod responses;
 pub mod retry;
-pub mod timers;
 pub mod upstream;
 
 use crate::fleet::ms_at;

@@ -578,8 +578,7 @@ const MAX_INFORMATIONAL: usize = 8;
 /// 1xx responses included, must arrive within the session's read timeout: that timeout is
 /// otherwise per read, and an upstream sending `100 Continue` (or a byte of header) just
 /// often enough would hold the request forever. One timer either way: the per-read one is
-/// off while the head's deadline runs (on the connection's reusable timer, `timers`), and
-/// back on for the body.
+/// off while the head's deadline runs, and back on for the body.
 ///
 /// A `101 Switching Protocols` is an upstream fault: rolter never asks for an upgrade (it
 /// does not forward `Upgrade`), and relaying one would hand the client whatever raw bytes
@@ -606,7 +605,7 @@ async fn read_response_head(s: &mut HttpSession) -> pingora::Result<()> {
         )
     };
     let result = match read_timeout {
-        Some(limit) => super::timers::head_deadline(limit, head)
+        Some(limit) => pingora::time::timeout(limit, head)
             .await
             .unwrap_or_else(|_| {
                 Error::e_explain(
