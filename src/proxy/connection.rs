@@ -316,7 +316,8 @@ async fn read_head(
         // its deadline later: while it has not fired that is one atomic update (tokio's
         // timer), where a timer per wait joins and leaves the runtime's timer wheel each
         // time. It fires at most once per request that outlasts it (one extra poll of the
-        // connection's task, which finds nothing to do). The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
+        // connection's task, which finds nothing to do).
+        // The stop signal is watched only once a read has waited `QUIET_WAIT`: a request
         // arriving on a busy keep-alive connection never registers with it (a waiter's
         // registration and removal take the signal's lock), while an idle connection
         // still closes within `QUIET_WAIT` of the stop. (A header still arriving in
