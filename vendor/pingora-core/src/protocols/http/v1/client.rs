@@ -23,9 +23,6 @@ use pingora_timeout::timeout;
 use std::io::ErrorKind;
 use std::str;
 use std::time::Duration;
-
-// rolter patch: the header `take_resp_header` leaves in place.
-const KEEP_ALIVE: header::HeaderName = header::HeaderName::from_static("keep-alive");
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::body::{BodyReader, BodyWriter};
@@ -33,6 +30,9 @@ use super::common::*;
 use crate::protocols::http::HttpTask;
 use crate::protocols::{Digest, SocketAddr, Stream, UniqueID, UniqueIDType};
 use crate::utils::{BufRef, KVRef};
+
+// rolter patch: a header `take_resp_header` leaves in place.
+const KEEP_ALIVE: header::HeaderName = header::HeaderName::from_static("keep-alive");
 
 /// The HTTP 1.x client session
 pub struct HttpSession {
