@@ -169,10 +169,9 @@ async fn an_upstream_flooding_100_continue_is_a_502_after_a_few() {
 async fn an_upstream_sending_100_continue_within_each_read_timeout_is_a_504_at_the_head_deadline() {
     // Every 300 ms: each read is well within the 1 s read timeout, and 1 s holds fewer
     // 1xx than the count bound, so only a deadline on the whole head ends it. The first
-    // request is answered at once, the later ones never, through a client that keeps its
-    // connection to the gateway when it can: a connection's head timer serves each of its
-    // requests (armed and left pending by the first, fired by the second, armed again by
-    // the third).
+    // request is answered at once, the later ones never: the deadline holds for a request
+    // on a client connection an earlier request used (the second; a 504 ends the
+    // connection, so the third comes on a new one).
     let served = Arc::new(AtomicUsize::new(0));
     let up = ScriptedUpstream::start(move |mut conn| {
         let first = served.fetch_add(1, Ordering::SeqCst) == 0;

@@ -576,6 +576,7 @@ mod tests {
                 tokio::time::sleep(gap).await;
                 client.write_all(REQ).await.unwrap();
             };
+            let wait_started = tokio::time::Instant::now();
             let wait = read_head(&mut stream, None, &limits, &mut stopped, &mut timer);
             let (head, ()) =
                 tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(wait, write) })
@@ -585,6 +586,10 @@ mod tests {
                 Head::Ready(bytes) => assert_eq!(&bytes[..], REQ, "gap {gap:?}"),
                 other => panic!("gap {gap:?}: {other:?}"),
             }
+            // This wait armed the timer: its deadline is this wait's, not an earlier one's
+            // (and it ran out if the header came after the quiet wait).
+            assert!(timer.deadline() >= wait_started + QUIET_WAIT, "gap {gap:?}");
+            assert!(timer.is_elapsed() || gap <= QUIET_WAIT, "gap {gap:?}");
         }
         let started = Instant::now();
         let stopping = async {

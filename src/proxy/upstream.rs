@@ -349,6 +349,11 @@ pub async fn send(
 /// Relay an answer to `session`: its head, then its body as it arrives (each chunk shown
 /// to `observe` first); the upstream connection goes back to the pool when the body ends,
 /// and `upstream_done` is called then, before the client can see the answer end.
+/// The head is taken out of the upstream session, not copied: from then on the session's
+/// `resp_header()` holds only what its keep-alive decision reads (status, version,
+/// `Connection`, `Keep-Alive`, `Transfer-Encoding`), so anything else of the head (its
+/// content type, say) must be read before this is called, as `Answer::status` and
+/// `Answer::is_event_stream` are.
 pub async fn relay(
     pool: &UpstreamPool,
     up: &Upstream<'_>,
