@@ -585,10 +585,18 @@ async fn counting_upstream(
                 let mut buf = Vec::new();
                 while read_one_request(&mut sock, &mut buf).await.is_some() {
                     let body = r#"{"id":"x","object":"chat.completion","choices":[]}"#;
-                    let answer = format!(
-                        "{status_line}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
+                    // `extra` naming chunked framing gets a chunked body, else a length.
+                    let answer = if extra.contains("transfer-encoding: chunked") {
+                        format!(
+                            "{status_line}\r\ncontent-type: application/json\r\n{extra}\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+                            body.len()
+                        )
+                    } else {
+                        format!(
+                            "{status_line}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
+                            body.len()
+                        )
+                    };
                     // Counted before the answer is written: the client's 200 can only follow
                     // the write, so the test never reads a count that lags its answers.
                     a.fetch_add(1, Ordering::SeqCst);
@@ -602,9 +610,10 @@ async fn counting_upstream(
     (addr, conns, answered)
 }
 
-/// A connection whose response said it ends (`connection: close`, or HTTP/1.0 without
-/// keep-alive) never goes back to the pool, even if the upstream leaves it open; an
-/// ordinary keep-alive response, or an HTTP/1.0 one asking for keep-alive, does.
+/// A connection whose response said it ends (`connection: close`, HTTP/1.0 without
+/// keep-alive, HTTP/1.0 with `Transfer-Encoding`) never goes back to the pool, even if the
+/// upstream leaves it open; an ordinary keep-alive response (length or chunks), or an
+/// HTTP/1.0 one asking for keep-alive, does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
     use std::sync::atomic::Ordering;
@@ -618,6 +627,14 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
             "HTTP/1.0 200 OK",
             "connection: keep-alive\r\nkeep-alive: timeout=30\r\n",
             true,
+        ),
+        ("HTTP/1.1 200 OK", "transfer-encoding: chunked\r\n", true),
+        // HTTP/1.0 with `Transfer-Encoding` must end the connection whatever else it says
+        // (RFC 9112 §6.1): what stays with the upstream session keeps that header too.
+        (
+            "HTTP/1.0 200 OK",
+            "connection: keep-alive\r\ntransfer-encoding: chunked\r\n",
+            false,
         ),
     ] {
         let (addr, conns, answered) = counting_upstream(status_line, extra).await;
