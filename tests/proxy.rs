@@ -643,6 +643,10 @@ async fn only_responses_that_keep_the_connection_alive_return_it_to_the_pool() {
             let (status, _, body) =
                 post_chat(&gw, chat_body("alias", &format!("question {i}"), false)).await;
             assert_eq!(status, 200, "{status_line} {extra:?} request {i}: {body}");
+            assert!(
+                body.contains(r#""object":"chat.completion""#),
+                "{status_line} {extra:?} request {i}: {body}"
+            );
         }
         assert_eq!(answered.load(Ordering::SeqCst), 3);
         let expected = if reusable { 1 } else { 3 };
