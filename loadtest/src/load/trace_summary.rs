@@ -7,6 +7,10 @@
 //! only the shared system prompt can hit) and of later turns, and per system prompt how many
 //! replicas served it and the busiest one's share (one replica: the group is kept together;
 //! all replicas: every cache holds a copy of the prompt, under pressure each evicts it).
+//! Where the misses are: the (system prompt, replica) pairs in all (each beyond a prompt's
+//! first recomputed that prompt on one more replica), the first turns that found less of
+//! their system prompt cached than the best first turn of the same prompt did, and the
+//! uncached tokens of first and of later turns as shares of all prompt tokens.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -50,6 +54,14 @@ pub struct TraceSummary {
     pub later_turn_hit: f64,
     /// Per system prompt, most requests first.
     pub prompts: Vec<PromptSpread>,
+    /// (system prompt, replica) pairs that served a request: the prompt's homes.
+    pub homes: usize,
+    /// First turns that found fewer tokens cached than the most any first turn of the same
+    /// system prompt found (its shared part): they recomputed some of it.
+    pub short_first_turns: usize,
+    /// Uncached prompt tokens of first turns, and of later turns, over all prompt tokens.
+    pub first_turn_miss: f64,
+    pub later_turn_miss: f64,
 }
 
 fn ratio(num: usize, den: usize) -> f64 {
@@ -66,7 +78,13 @@ pub fn summarize_trace(rows: &[TraceRow]) -> TraceSummary {
     let mut turns: HashMap<usize, BTreeMap<usize, Option<usize>>> = HashMap::new();
     let (mut first, mut later) = ((0, 0), (0, 0));
     let mut by_prompt: BTreeMap<&str, HashMap<Option<usize>, usize>> = BTreeMap::new();
+    // system prompt -> most tokens any of its first turns found cached
+    let mut shared: HashMap<&str, usize> = HashMap::new();
     for r in rows {
+        if let (0, Some(s)) = (r.turn, &r.system) {
+            let best = shared.entry(s.as_str()).or_default();
+            *best = (*best).max(r.cached_tokens.unwrap_or(0));
+        }
         if r.call == 0 {
             turns
                 .entry(r.session)
@@ -111,13 +129,30 @@ pub fn summarize_trace(rows: &[TraceRow]) -> TraceSummary {
         })
         .collect();
     prompts.sort_by(|a, b| b.requests.cmp(&a.requests).then(a.system.cmp(&b.system)));
+    let short_first_turns = rows
+        .iter()
+        .filter(|r| r.turn == 0)
+        .filter(|r| {
+            r.system
+                .as_deref()
+                .and_then(|s| shared.get(s))
+                .copied()
+                .unwrap_or(0)
+                > r.cached_tokens.unwrap_or(0)
+        })
+        .count();
+    let all = first.1 + later.1;
     TraceSummary {
         requests: rows.len(),
         continuations,
         moves,
         first_turn_hit: ratio(first.0, first.1),
         later_turn_hit: ratio(later.0, later.1),
+        homes: prompts.iter().map(|p| p.replicas).sum(),
         prompts,
+        short_first_turns,
+        first_turn_miss: ratio(first.1 - first.0.min(first.1), all),
+        later_turn_miss: ratio(later.1 - later.0.min(later.1), all),
     }
 }
 
@@ -132,6 +167,21 @@ pub fn render_summary(name: &str, s: &TraceSummary, max_prompts: usize) -> Strin
         ratio(s.moves, s.continuations) * 100.0,
         s.first_turn_hit * 100.0,
         s.later_turn_hit * 100.0,
+    );
+    let _ = writeln!(
+        out,
+        "  {} homes (system prompt, replica) for {} prompts; {} first turns found less of their \
+         system prompt cached than its best first turn did",
+        s.homes,
+        s.prompts.len(),
+        s.short_first_turns,
+    );
+    let _ = writeln!(
+        out,
+        "  uncached (new messages included): {:.2}% of all prompt tokens on first turns, \
+         {:.2}% on later turns",
+        s.first_turn_miss * 100.0,
+        s.later_turn_miss * 100.0,
     );
     for p in s.prompts.iter().take(max_prompts) {
         let _ = writeln!(
@@ -194,13 +244,50 @@ mod tests {
             }
         );
         assert_eq!((s.prompts[1].replicas, s.prompts[1].requests), (2, 3));
+        // s1 on replicas 1 and 2, s2 on 3 and 0.
+        assert_eq!(s.homes, 4);
+        // Every first turn found 20 tokens: none found less than its prompt's best.
+        assert_eq!(s.short_first_turns, 0);
+        // 8 rows of 100 tokens: first turns (4 rows) miss 80 each, later (4) miss 10.
+        assert!((s.first_turn_miss - 0.4).abs() < 1e-9);
+        assert!((s.later_turn_miss - 0.05).abs() < 1e-9);
         let text = render_summary("cache_aware", &s, 1);
         assert!(
             text.contains("1 of 4 next turns moved replica (25%)"),
             "{text}"
         );
         assert!(text.contains("system s1: 5 requests on 2 replica(s), busiest 80%"));
+        assert!(
+            text.contains("4 homes (system prompt, replica) for 2 prompts"),
+            "{text}"
+        );
+        assert!(
+            text.contains("40.00% of all prompt tokens on first turns, 5.00% on later turns"),
+            "{text}"
+        );
         assert!(text.contains("1 more prompts"));
+    }
+
+    /// A first turn that found less than its system prompt's shared part cached is counted;
+    /// one that found as much, or a later turn, is not.
+    #[test]
+    fn first_turns_short_of_their_system_prompt() {
+        let first = |session, system: &str, replica, cached| TraceRow {
+            cached_tokens: Some(cached),
+            ..row(session, system, 0, 0, replica)
+        };
+        let rows = vec![
+            first(0, "a", 0, 0),  // short: the prompt's first, nothing cached anywhere yet
+            first(1, "a", 0, 64), // found its shared part
+            first(2, "a", 1, 0),  // short: opened it on another replica
+            first(3, "a", 1, 64),
+            first(4, "b", 2, 32), // b's first turns all found its best (32)
+            first(5, "b", 2, 32),
+            row(0, "a", 1, 0, 0), // a later turn never counts
+        ];
+        let s = summarize_trace(&rows);
+        assert_eq!(s.short_first_turns, 2);
+        assert_eq!(s.homes, 3);
     }
 
     #[test]
