@@ -54,14 +54,19 @@ pub struct TraceSummary {
     pub later_turn_hit: f64,
     /// Per system prompt, most requests first.
     pub prompts: Vec<PromptSpread>,
-    /// (system prompt, replica) pairs that served a request: the prompt's homes.
-    pub homes: usize,
     /// First turns that found fewer tokens cached than the most any first turn of the same
     /// system prompt found (its shared part): they recomputed some of it.
     pub short_first_turns: usize,
     /// Uncached prompt tokens of first turns, and of later turns, over all prompt tokens.
     pub first_turn_miss: f64,
     pub later_turn_miss: f64,
+}
+
+impl TraceSummary {
+    /// (system prompt, replica) pairs that served a request: the prompts' homes.
+    pub fn homes(&self) -> usize {
+        self.prompts.iter().map(|p| p.replicas).sum()
+    }
 }
 
 fn ratio(num: usize, den: usize) -> f64 {
@@ -148,11 +153,10 @@ pub fn summarize_trace(rows: &[TraceRow]) -> TraceSummary {
         moves,
         first_turn_hit: ratio(first.0, first.1),
         later_turn_hit: ratio(later.0, later.1),
-        homes: prompts.iter().map(|p| p.replicas).sum(),
         prompts,
         short_first_turns,
-        first_turn_miss: ratio(first.1 - first.0.min(first.1), all),
-        later_turn_miss: ratio(later.1 - later.0.min(later.1), all),
+        first_turn_miss: ratio(first.1.saturating_sub(first.0), all),
+        later_turn_miss: ratio(later.1.saturating_sub(later.0), all),
     }
 }
 
@@ -172,7 +176,7 @@ pub fn render_summary(name: &str, s: &TraceSummary, max_prompts: usize) -> Strin
         out,
         "  {} homes (system prompt, replica) for {} prompts; {} first turns found less of their \
          system prompt cached than its best first turn did",
-        s.homes,
+        s.homes(),
         s.prompts.len(),
         s.short_first_turns,
     );
@@ -245,7 +249,7 @@ mod tests {
         );
         assert_eq!((s.prompts[1].replicas, s.prompts[1].requests), (2, 3));
         // s1 on replicas 1 and 2, s2 on 3 and 0.
-        assert_eq!(s.homes, 4);
+        assert_eq!(s.homes(), 4);
         // Every first turn found 20 tokens: none found less than its prompt's best.
         assert_eq!(s.short_first_turns, 0);
         // 8 rows of 100 tokens: first turns (4 rows) miss 80 each, later (4) miss 10.
@@ -287,7 +291,7 @@ mod tests {
         ];
         let s = summarize_trace(&rows);
         assert_eq!(s.short_first_turns, 2);
-        assert_eq!(s.homes, 3);
+        assert_eq!(s.homes(), 3);
     }
 
     #[test]
