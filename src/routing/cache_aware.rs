@@ -204,6 +204,7 @@ impl Strategy for CacheAware {
             }),
         };
         let placed = self.rule.place(&ask, &choices)?;
+        super::explain::log_decision(&ask, &choices, &placed);
         // The chosen target's walk, handed to `record` so its insert starts where it stopped:
         // only for the caller's key, which `record` sees again (a key computed here is gone).
         let hint = hints.iter().find(|&&(i, _)| i == placed.index)?.1;

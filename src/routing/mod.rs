@@ -8,6 +8,7 @@
 
 mod baseline;
 pub mod cache_aware;
+pub mod explain;
 pub mod group_homes;
 pub mod lmcache;
 pub mod pipeline;

@@ -172,6 +172,7 @@ impl Strategy for PreciseCacheAware {
             group_home: None,
         };
         let placed = self.rule.place(&ask, &choices)?;
+        super::explain::log_decision(&ask, &choices, &placed);
         Some(Decision {
             target: placed.index,
             reason: placed.reason,

@@ -1,0 +1,153 @@
+//! The placement rule's decision as one debug log line (`RUST_LOG=placement=debug`): what
+//! the rule saw of each eligible target and what it chose, so an operator can tell why a
+//! request went where it did, and `rolter-load traces` can name the rule behind every
+//! replica a prompt group was opened on.
+//!
+//! Owns the line's format (space-separated `key=value` fields, stated in
+//! docs/operating.md; `loadtest/src/load/placement_log.rs` parses it). Must not decide
+//! anything: it formats what [`super::placement`] was asked and answered, and only when
+//! the `placement` log target is enabled at debug level.
+
+use super::placement::{Ask, Choice, GroupHome, Placed};
+use std::fmt;
+
+/// The log target of the decision lines.
+pub const LOG_TARGET: &str = "placement";
+
+/// One decision, formatted as its log line (without the logger's prefix).
+pub struct Explained<'a> {
+    /// What the rule was asked.
+    pub ask: &'a Ask,
+    /// The eligible targets as the rule saw them.
+    pub choices: &'a [Choice<'a>],
+    /// Its answer.
+    pub placed: &'a Placed,
+}
+
+impl fmt::Display for Explained<'_> {
+    /// `group=<hex16> conversation=<hex16> tokens=<n> first=<n> home=<known:i|expected:i|->
+    /// previous=<i|-> targets=<i:inflight:cached:placed>;... chosen=<i> reason=<reason>
+    /// new_work=<bool> label=<label>`: indices are the route's target indices, `cached` the
+    /// prompt tokens the target holds as far as the gateway knows, `placed` its recent new
+    /// work. The label is last: a model name may hold any character but a newline.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Explained {
+            ask,
+            choices,
+            placed,
+        } = self;
+        write!(
+            f,
+            "group={:016x} conversation={:016x} tokens={:.0} first={:.0} home=",
+            ask.keys.group, ask.keys.conversation, ask.tokens, ask.first_message_tokens
+        )?;
+        match ask.group_home {
+            Some(GroupHome::Known(i)) => write!(f, "known:{i}")?,
+            Some(GroupHome::Expected(i)) => write!(f, "expected:{i}")?,
+            None => f.write_str("-")?,
+        }
+        match ask.previous {
+            Some(i) => write!(f, " previous={i} targets=")?,
+            None => f.write_str(" previous=- targets=")?,
+        }
+        for (n, c) in choices.iter().enumerate() {
+            let sep = if n == 0 { "" } else { ";" };
+            write!(
+                f,
+                "{sep}{}:{}:{:.0}:{:.0}",
+                c.index, c.inflight, c.cached_tokens, c.placed
+            )?;
+        }
+        let label = choices
+            .iter()
+            .find(|c| c.index == placed.index)
+            .map_or("-", |c| c.label);
+        write!(
+            f,
+            " chosen={} reason={} new_work={} label={label}",
+            placed.index,
+            placed.reason.as_str(),
+            placed.new_work
+        )
+    }
+}
+
+/// Log `ask`'s placement at debug level on [`LOG_TARGET`], if that is enabled (nothing is
+/// formatted otherwise).
+pub fn log_decision(ask: &Ask, choices: &[Choice], placed: &Placed) {
+    if log::log_enabled!(target: LOG_TARGET, log::Level::Debug) {
+        log::debug!(target: LOG_TARGET, "{}", Explained { ask, choices, placed });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::placement::{PlacementKeys, PlacementRule};
+    use crate::routing::Reason;
+
+    fn choice(index: usize, inflight: u64, cached: f64, label: &'static str) -> Choice<'static> {
+        Choice {
+            index,
+            inflight,
+            cached_tokens: cached,
+            label,
+            room_tokens: 0.0,
+            cache_tokens: 0.0,
+            placed: inflight as f64 + 0.4,
+        }
+    }
+
+    /// The line `loadtest/src/load/placement_log.rs`'s tests parse: a change here must be
+    /// made there too.
+    #[test]
+    fn a_decision_reads_as_the_documented_line() {
+        let ask = Ask {
+            tokens: 1570.4,
+            first_message_tokens: 1504.0,
+            keys: PlacementKeys {
+                group: 0x6e54_8b20_b7da_a59a,
+                conversation: 0x5ce2,
+            },
+            previous: None,
+            group_home: Some(GroupHome::Known(0)),
+        };
+        // Target 2 is not eligible: the rule never saw it.
+        let choices = [
+            choice(0, 4, 0.0, "sim-0/m"),
+            choice(1, 3, 1504.0, "sim-1/m"),
+            choice(3, 2, 0.0, "sim-3/m"),
+        ];
+        let placed = PlacementRule::default().place(&ask, &choices).unwrap();
+        assert_eq!(placed.index, 1, "{placed:?}");
+        assert_eq!(placed.reason, Reason::CacheHit);
+        assert_eq!(
+            Explained {
+                ask: &ask,
+                choices: &choices,
+                placed: &placed
+            }
+            .to_string(),
+            "group=6e548b20b7daa59a conversation=0000000000005ce2 tokens=1570 first=1504 \
+             home=known:0 previous=- targets=0:4:0:4;1:3:1504:3;3:2:0:2 chosen=1 \
+             reason=cache_hit new_work=true label=sim-1/m"
+        );
+        let expected = Ask {
+            group_home: Some(GroupHome::Expected(3)),
+            previous: Some(1),
+            ..ask
+        };
+        let line = Explained {
+            ask: &expected,
+            choices: &choices[..1],
+            placed: &placed,
+        }
+        .to_string();
+        assert!(
+            line.contains(" home=expected:3 previous=1 targets=0:4:0:4 chosen=1 "),
+            "{line}"
+        );
+        // A chosen index the choices do not hold (never, from the rule) has no label.
+        assert!(line.ends_with(" label=-"), "{line}");
+    }
+}
