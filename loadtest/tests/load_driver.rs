@@ -361,6 +361,7 @@ async fn a_peer_is_ready_only_once_every_worker_is_healthy() {
     let launch = |timeout_ms: u64, log: &str| Launch {
         program: std::path::Path::new("sleep"),
         args: vec!["30".into()],
+        env: Vec::new(),
         port,
         ready: Readiness::HealthyWorkers(2),
         log: dir.join(log),
@@ -378,11 +379,16 @@ async fn a_peer_is_ready_only_once_every_worker_is_healthy() {
     let gw = start(launch(10_000, "b.log")).await.unwrap();
     assert_eq!(gw.base_url, format!("http://127.0.0.1:{port}"));
     gw.stop().await;
-    // A process that exits before it is ready is reported with its log's last line.
+    // A process that exits before it is ready is reported with its log's last line (written
+    // with a variable set in its environment).
     healthy.store(0, Ordering::Relaxed);
     let early = Launch {
         program: std::path::Path::new("sh"),
-        args: vec!["-c".into(), "echo cannot bind >&2; exit 3".into()],
+        args: vec![
+            "-c".into(),
+            "echo cannot $ROLTER_TEST_WORD >&2; exit 3".into(),
+        ],
+        env: vec![("ROLTER_TEST_WORD".into(), "bind".into())],
         ..launch(10_000, "c.log")
     };
     let err = start(early).await.err().unwrap();

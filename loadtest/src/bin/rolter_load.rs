@@ -8,13 +8,15 @@
 //!   objective) per strategy and rate.
 //! - `upper-bound`: the workload's best possible hit rate (one replica, unbounded cache).
 //! - `traces DIR`: per `--trace-dir` trace, how often conversations moved replica and how each
-//!   system prompt was spread over the replicas.
+//!   system prompt was spread over the replicas; per kept placement log, which placement
+//!   reasons opened a prompt group on more replicas than its first.
 
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rolter_loadtest::load::compare::{compare, CompareArgs, DriverArgs};
 use rolter_loadtest::load::document::describe_workload;
+use rolter_loadtest::load::placement_log::{self, PlacementLogError, PlacementSummary};
 use rolter_loadtest::load::report::{goodput, markdown_table, summarize};
 use rolter_loadtest::load::runner::{run, Dispatch};
 use rolter_loadtest::load::scrape::scrape_all;
@@ -93,10 +95,12 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', required = true)]
         rates: Vec<f64>,
     },
-    /// Summarize the traces in a --trace-dir directory (every *.jsonl, by name).
+    /// Summarize the traces in a --trace-dir directory (every *.jsonl, by name), then its
+    /// placement logs (every *.placement.log, by name).
     Traces {
         dir: std::path::PathBuf,
-        /// System prompts listed per trace (most requests first).
+        /// System prompts listed per trace (most requests first), and extra-home decisions
+        /// listed per placement log (first ones first).
         #[arg(long, default_value_t = 8)]
         prompts: usize,
     },
@@ -134,6 +138,21 @@ fn read_traces(dir: &std::path::Path) -> Result<Vec<(String, Vec<TraceRow>)>, St
         out.push((name, rows));
     }
     Ok(out)
+}
+
+/// Every `*.placement.log` in `dir`, by file name, with its summary.
+fn read_placement_logs(
+    dir: &std::path::Path,
+) -> Result<Vec<(String, PlacementSummary)>, PlacementLogError> {
+    placement_log::find_logs(dir)?
+        .into_iter()
+        .map(|p| {
+            let name = p
+                .file_name()
+                .map_or_else(String::new, |s| s.to_string_lossy().into());
+            Ok((name, placement_log::summarize_file(&p)?))
+        })
+        .collect()
 }
 
 /// `fut`'s output, or `None` if SIGINT or SIGTERM comes first. Dropping `fut` then kills the
@@ -257,21 +276,31 @@ async fn main() -> std::process::ExitCode {
                 std::process::ExitCode::FAILURE
             }
         },
-        Cmd::Traces { dir, prompts } => match read_traces(&dir) {
-            Ok(traces) => {
-                for (name, rows) in traces {
-                    println!(
-                        "{}",
-                        render_summary(&name, &summarize_trace(&rows), prompts)
-                    );
+        Cmd::Traces { dir, prompts } => {
+            let read = read_traces(&dir).and_then(|traces| {
+                read_placement_logs(&dir)
+                    .map(|logs| (traces, logs))
+                    .map_err(|e| e.to_string())
+            });
+            match read {
+                Ok((traces, logs)) => {
+                    for (name, rows) in traces {
+                        println!(
+                            "{}",
+                            render_summary(&name, &summarize_trace(&rows), prompts)
+                        );
+                    }
+                    for (name, s) in logs {
+                        println!("{}", placement_log::render_summary(&name, &s, prompts));
+                    }
+                    std::process::ExitCode::SUCCESS
                 }
-                std::process::ExitCode::SUCCESS
+                Err(e) => {
+                    eprintln!("rolter-load traces: {e}");
+                    std::process::ExitCode::FAILURE
+                }
             }
-            Err(e) => {
-                eprintln!("rolter-load traces: {e}");
-                std::process::ExitCode::FAILURE
-            }
-        },
+        }
         Cmd::UpperBound {
             workload,
             block_size,

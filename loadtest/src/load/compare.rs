@@ -18,6 +18,11 @@
 //!
 //! `--repeats N` runs N rounds, each strategy once per round on a fresh fleet in a rotated
 //! order (see `repeats`), and reports per-strategy medians and the hit rate's spread.
+//!
+//! With `--trace-dir`, rolter gateways (not peers) run with `placement=debug` added to their
+//! `RUST_LOG`, and after the run their decision lines are kept beside the trace as
+//! `<trace>.placement.log` (`<trace>.gw<k>.placement.log` behind several gateways; see
+//! `placement_log`). Without it the gateways' logging is left as it is.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -30,6 +35,7 @@ use crate::fleet::{spawn_fleet, FleetHandle};
 use crate::load::document::{describe_workload, render, render_repeats};
 use crate::load::gateway::{self, free_port, Gateway, Launch};
 use crate::load::peer::{default_venv, parse_peer, Readiness};
+use crate::load::placement_log::{self, PlacementLogError};
 use crate::load::repeats::{round_order, summarize_runs, StrategySummary};
 use crate::load::report::{goodput, summarize, StrategyReport};
 use crate::load::routes::routes_toml_with;
@@ -56,6 +62,8 @@ pub enum CompareError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("keeping the gateway's placement log: {0}")]
+    PlacementLog(#[from] PlacementLogError),
 }
 
 /// How the driver sends load (shared by `run` and `compare`).
@@ -87,7 +95,9 @@ pub struct DriverArgs {
     #[arg(long, default_value_t = 0.0)]
     pub think_time_ms: f64,
     /// Write a per-request trace (JSON lines: session, turn, replica, prompt and cached
-    /// tokens, timings) to DIR/<strategy or label>.jsonl.
+    /// tokens, timings) to DIR/<strategy or label>.jsonl; `compare` also keeps each rolter
+    /// gateway's placement decisions (RUST_LOG placement=debug) in DIR/<strategy>.placement.log
+    /// (DIR/<strategy>.gw<k>.placement.log behind several gateways).
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
     /// TTFT objective of goodput (successful requests per second whose TTFT is at most this),
@@ -135,6 +145,37 @@ impl DriverArgs {
         std::fs::create_dir_all(dir)
             .and_then(|()| write_trace(&path, run, sessions))
             .map_err(|source| CompareError::Write { path, source })
+    }
+
+    /// Environment for a rolter gateway: with a trace directory, `RUST_LOG` with the placement
+    /// lines turned on (on top of the level the gateway would run with); none otherwise.
+    pub fn gateway_env(&self) -> Vec<(String, String)> {
+        if self.trace_dir.is_none() {
+            return Vec::new();
+        }
+        let current = std::env::var("RUST_LOG").ok();
+        vec![(
+            "RUST_LOG".to_string(),
+            placement_log::rust_log_with_placement(current.as_deref()),
+        )]
+    }
+
+    /// Keep the placement lines of the rolter gateway logs `logs` (one per gateway, in order)
+    /// as `<trace_dir>/<name>.placement.log` (`<name>.gw<k>.placement.log` for several), if a
+    /// directory is set.
+    pub fn write_placement_logs(&self, name: &str, logs: &[PathBuf]) -> Result<(), CompareError> {
+        let Some(dir) = &self.trace_dir else {
+            return Ok(());
+        };
+        std::fs::create_dir_all(dir).map_err(|source| CompareError::Write {
+            path: dir.clone(),
+            source,
+        })?;
+        for (k, log) in logs.iter().enumerate() {
+            let to = dir.join(placement_log::file_name(name, k, logs.len()));
+            placement_log::copy_placement_lines(log, &to)?;
+        }
+        Ok(())
     }
 
     pub fn describe(&self) -> String {
@@ -256,6 +297,7 @@ async fn start_rolter(
             format!("127.0.0.1:{port}"),
         ];
         args.extend(compare.gateway_args.iter().cloned());
+        let env = driver.gateway_env();
         let log = if count > 1 {
             workdir.join(format!("gateway-{strategy}-{k}.log"))
         } else {
@@ -266,6 +308,7 @@ async fn start_rolter(
             gateway::start(Launch {
                 program: &compare.gateway,
                 args,
+                env,
                 port,
                 ready: Readiness::Health,
                 log,
@@ -310,6 +353,7 @@ async fn start_peer(
     gateway::start(Launch {
         program: &program,
         args,
+        env: Vec::new(),
         port,
         ready: peer.readiness(workers.len()),
         log: workdir.join(format!("gateway-{strategy}.log")),
@@ -360,6 +404,7 @@ pub async fn run_strategy_traced(
     let mut opts = driver.run_options(seed);
     opts.tokenizer = prompt_tokenizer;
     let (base, count) = split_gateways(strategy);
+    let rolter = !DIRECT_STRATEGIES.contains(&base) && parse_peer(base).is_none();
     let started = match base {
         "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),
         "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), Vec::new())),
@@ -414,6 +459,7 @@ pub async fn run_strategy_traced(
         .as_ref()
         .map(|r: &StrategyReport| r.errors > 0)
         .unwrap_or(true);
+    let logs: Vec<PathBuf> = gateways.iter().map(|g| g.log.clone()).collect();
     for (k, mut gw) in gateways.into_iter().enumerate() {
         if let Some(status) = gw.exited() {
             eprintln!("   the gateway exited during the run ({status})");
@@ -429,7 +475,13 @@ pub async fn run_strategy_traced(
         gw.stop().await;
     }
     fleet.shutdown().await;
-    result
+    // After the gateways stopped: their logs are complete.
+    let kept = if rolter {
+        driver.write_placement_logs(trace_name.unwrap_or(strategy), &logs)
+    } else {
+        Ok(())
+    };
+    result.and_then(|r| kept.map(|()| r))
 }
 
 /// Every run of a comparison, grouped by strategy in list order, and the strategies that could
@@ -619,6 +671,24 @@ pub async fn compare(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The placement lines are turned on for rolter gateways only with a trace directory.
+    #[test]
+    fn placement_logging_only_with_a_trace_dir() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            driver: DriverArgs,
+        }
+        use clap::Parser as _;
+        let plain = Cli::parse_from(["x"]).driver;
+        assert!(plain.gateway_env().is_empty());
+        let traced = Cli::parse_from(["x", "--trace-dir", "/nonexistent"]).driver;
+        let env = traced.gateway_env();
+        assert_eq!(env.len(), 1, "{env:?}");
+        assert_eq!(env[0].0, "RUST_LOG");
+        assert!(env[0].1.contains(",placement=debug"), "{env:?}");
+    }
 
     #[test]
     fn gateway_counts_in_strategy_names() {

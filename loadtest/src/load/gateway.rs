@@ -2,7 +2,7 @@
 //! until it can route, stop it.
 //!
 //! Owns the child process, its log file, port picking and the readiness wait; what the command
-//! line is comes from the caller (`compare` for rolter, `peer` for peers). A process is killed on
+//! line and any environment variables set on top of ours are comes from the caller (`compare` for rolter, `peer` for peers). A process is killed on
 //! drop, so an early return never leaves one behind.
 
 use std::path::{Path, PathBuf};
@@ -24,6 +24,8 @@ pub struct Gateway {
 pub struct Launch<'a> {
     pub program: &'a Path,
     pub args: Vec<String>,
+    /// Environment variables set for the child (it inherits ours otherwise), e.g. `RUST_LOG`.
+    pub env: Vec<(String, String)>,
     /// Where it will listen.
     pub port: u16,
     pub ready: Readiness,
@@ -92,6 +94,7 @@ pub async fn start(launch: Launch<'_>) -> Result<Gateway, String> {
     let Launch {
         program,
         args,
+        env,
         port,
         ready,
         log,
@@ -101,6 +104,7 @@ pub async fn start(launch: Launch<'_>) -> Result<Gateway, String> {
     let err = file.try_clone().map_err(|e| e.to_string())?;
     let mut child = Command::new(program)
         .args(&args)
+        .envs(env)
         .stdin(std::process::Stdio::null())
         .stdout(file)
         .stderr(err)

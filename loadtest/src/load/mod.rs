@@ -5,12 +5,14 @@
 //! rate of a workload, and `compare` runs every strategy through the gateway (`gateway` starts
 //! the processes, `peer` knows the other gateways, `repeats` folds repeated runs into medians,
 //! `routes` writes the routing files, `document` the reports' text); `sweep` repeats the
-//! comparison at rising open-loop rates (goodput); `trace_summary` reads `--trace-dir` traces.
+//! comparison at rising open-loop rates (goodput); `trace_summary` reads `--trace-dir` traces and
+//! `placement_log` the gateways' placement decisions kept beside them.
 
 pub mod compare;
 pub mod document;
 pub mod gateway;
 pub mod peer;
+pub mod placement_log;
 pub mod repeats;
 pub mod report;
 pub mod routes;
