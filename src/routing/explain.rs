@@ -4,7 +4,7 @@
 //! replica a prompt group was opened on.
 //!
 //! Owns the line's format (space-separated `key=value` fields, stated in
-//! docs/operating.md; `loadtest/src/load/placement_log.rs` parses it). Must not decide
+//! docs/metrics.md; `loadtest/src/load/placement_log.rs` parses it). Must not decide
 //! anything: it formats what [`super::placement`] was asked and answered, and only when
 //! the `placement` log target is enabled at debug level.
 

@@ -107,9 +107,10 @@ pub fn copy_placement_lines(from: &Path, to: &Path) -> Result<usize, PlacementLo
 /// The group's home as the rule was told it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Home {
-    /// `known:I`: the target that holds the group's first message.
+    /// `known:I`: the home every gateway names for a group it has seen at least twice
+    /// (src/routing/group_homes.rs).
     Known(usize),
-    /// `expected:I`: where the group is expected to go.
+    /// `expected:I`: the home a group seen once would get on joining the known set.
     Expected(usize),
 }
 
