@@ -45,13 +45,12 @@ use crate::metrics::METRICS;
 use crate::runtime::Runtime;
 use async_trait::async_trait;
 use bytes::BytesMut;
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream, ServerApp};
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ServerApp};
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Stream;
-use pingora::proxy::{HttpProxy, ProxyHttp};
 use pingora::server::ShutdownWatch;
 use std::cell::RefCell;
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -96,35 +95,6 @@ const LINGER_IDLE: Duration = Duration::from_millis(500);
 thread_local! {
     /// The buffer header waits on this worker thread read into (see the module docs).
     static SCRATCH: RefCell<BytesMut> = RefCell::new(BytesMut::with_capacity(SCRATCH_LEN));
-}
-
-/// How a connection hands each request to pingora's HTTP app: awaited in place, inside the
-/// connection's own future (allocated once per connection). pingora's
-/// `HttpServerApp::process_new_http` is an `async_trait` method, so calling it allocates a
-/// box for its future on every request and moves the future, ~9 KiB for pingora-proxy's,
-/// into it; the vendored pingora-proxy exposes the same code as a plain `async fn`
-/// (vendor/README.md).
-pub trait ServeInPlace: HttpServerApp {
-    /// `process_new_http`, unboxed.
-    fn serve<'a>(
-        self: &'a Arc<Self>,
-        session: ServerSession,
-        shutdown: &'a ShutdownWatch,
-    ) -> impl Future<Output = Option<ReusedHttpStream>> + Send + 'a;
-}
-
-impl<SV> ServeInPlace for HttpProxy<SV>
-where
-    SV: ProxyHttp + Send + Sync + 'static,
-    <SV as ProxyHttp>::CTX: Send + Sync,
-{
-    fn serve<'a>(
-        self: &'a Arc<Self>,
-        session: ServerSession,
-        shutdown: &'a ShutdownWatch,
-    ) -> impl Future<Output = Option<ReusedHttpStream>> + Send + 'a {
-        self.process_new_http_unboxed(session, shutdown)
-    }
 }
 
 /// The proxy port's connection handling, around pingora's HTTP proxy app `A`.
@@ -240,7 +210,7 @@ enum Head {
 }
 
 #[async_trait]
-impl<A: ServeInPlace + Send + Sync + 'static> ServerApp for ClientConnections<A> {
+impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for ClientConnections<A> {
     async fn process_new(
         self: &Arc<Self>,
         mut stream: Stream,
@@ -310,7 +280,7 @@ impl<A: ServeInPlace + Send + Sync + 'static> ServerApp for ClientConnections<A>
             // rolter never enables pipelining, so a reused connection's settings carry no
             // prefix of their own for this one to replace.
             session.set_pipelined_prefix(prefix);
-            let reused = self.app.serve(session, shutdown).await?;
+            let reused = self.app.process_new_http(session, shutdown).await?;
             (stream, persistent) = reused.consume();
             first = false;
         }
