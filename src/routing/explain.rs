@@ -1,7 +1,7 @@
 //! The placement rule's decision as one debug log line (`RUST_LOG=placement=debug`): what
 //! the rule saw of each eligible target and what it chose, so an operator can tell why a
-//! request went where it did, and `rolter-load traces` can name the rule behind every
-//! replica a prompt group was opened on.
+//! request went where it did, and `rolter-load traces` can say, by reason, which decisions
+//! opened a prompt group on another replica.
 //!
 //! Owns the line's format (space-separated `key=value` fields, stated in
 //! docs/metrics.md; `loadtest/src/load/placement_log.rs` parses it). Must not decide
@@ -98,8 +98,8 @@ mod tests {
         }
     }
 
-    /// The line `loadtest/src/load/placement_log.rs`'s tests parse: a change here must be
-    /// made there too.
+    /// The line `loadtest/src/load/placement_log.rs`'s tests parse (`a_written_line_is_read_back`
+    /// checks the two agree).
     #[test]
     fn a_decision_reads_as_the_documented_line() {
         let ask = Ask {
@@ -149,5 +149,56 @@ mod tests {
         );
         // A chosen index the choices do not hold (never, from the rule) has no label.
         assert!(line.ends_with(" label=-"), "{line}");
+    }
+
+    /// What this module writes, `rolter-load traces` reads back field for field (its parser
+    /// lives with the load-test tools, which the gateway does not link).
+    #[test]
+    fn a_written_line_is_read_back() {
+        use rolter_loadtest::load::placement_log::{self as reader, Home};
+        assert_eq!(reader::LOG_TARGET, LOG_TARGET);
+        let ask = Ask {
+            tokens: 2100.0,
+            first_message_tokens: 2000.0,
+            keys: PlacementKeys {
+                group: u64::MAX - 1,
+                conversation: 7,
+            },
+            previous: Some(3),
+            group_home: Some(GroupHome::Expected(1)),
+        };
+        let choices = [
+            choice(1, 0, 0.0, "p/m"),
+            choice(3, 9, 2100.0, "prov/model name=x"),
+        ];
+        let placed = PlacementRule::default().place(&ask, &choices).unwrap();
+        let line = Explained {
+            ask: &ask,
+            choices: &choices,
+            placed: &placed,
+        }
+        .to_string();
+        let read = reader::parse_line(&format!("[2026-12-05T00:00:00Z DEBUG placement] {line}"))
+            .unwrap_or_else(|| panic!("unreadable: {line}"));
+        assert_eq!(read.group, ask.keys.group);
+        assert_eq!(read.conversation, 7);
+        assert_eq!((read.tokens, read.first), (2100.0, 2000.0));
+        assert_eq!(read.home, Some(Home::Expected(1)));
+        assert_eq!(read.previous, Some(3));
+        let seen: Vec<(usize, u64, f64)> = read
+            .targets
+            .iter()
+            .map(|t| (t.index, t.inflight, t.cached_tokens))
+            .collect();
+        assert_eq!(seen, vec![(1, 0, 0.0), (3, 9, 2100.0)]);
+        assert_eq!(read.chosen, placed.index);
+        assert_eq!(read.reason, placed.reason.as_str());
+        assert_eq!(read.new_work, placed.new_work);
+        let label = choices
+            .iter()
+            .find(|c| c.index == placed.index)
+            .unwrap()
+            .label;
+        assert_eq!(read.label, label);
     }
 }

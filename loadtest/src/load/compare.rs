@@ -252,15 +252,19 @@ pub fn split_gateways(strategy: &str) -> (&str, usize) {
     }
 }
 
+/// Whether `strategy` (without its `@N`) runs on rolter gateways: not a direct dispatch, not
+/// a peer.
+fn is_rolter(strategy: &str) -> bool {
+    !DIRECT_STRATEGIES.contains(&strategy) && parse_peer(strategy).is_none()
+}
+
 /// `strategies` with, when `gateways` > 1, each rolter strategy followed by its
 /// `<strategy>@<gateways>` twin (direct, peer and already-suffixed names are left alone).
 pub fn with_gateway_twins(strategies: &[String], gateways: usize) -> Vec<String> {
     let mut out = Vec::with_capacity(strategies.len() * 2);
     for s in strategies {
         out.push(s.clone());
-        let rolter =
-            !DIRECT_STRATEGIES.contains(&s.as_str()) && parse_peer(s).is_none() && !s.contains('@');
-        if gateways > 1 && rolter {
+        if gateways > 1 && is_rolter(s) && !s.contains('@') {
             out.push(format!("{s}@{gateways}"));
         }
     }
@@ -404,7 +408,7 @@ pub async fn run_strategy_traced(
     let mut opts = driver.run_options(seed);
     opts.tokenizer = prompt_tokenizer;
     let (base, count) = split_gateways(strategy);
-    let rolter = !DIRECT_STRATEGIES.contains(&base) && parse_peer(base).is_none();
+    let rolter = is_rolter(base);
     let started = match base {
         "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),
         "direct_session_hash" => Ok((Dispatch::SessionHash(urls.clone()), Vec::new())),

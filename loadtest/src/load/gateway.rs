@@ -1,9 +1,10 @@
 //! Gateway processes for `compare`: start one (rolter or a peer) on a free loopback port, wait
 //! until it can route, stop it.
 //!
-//! Owns the child process, its log file, port picking and the readiness wait; what the command
-//! line and any environment variables set on top of ours are comes from the caller (`compare` for rolter, `peer` for peers). A process is killed on
-//! drop, so an early return never leaves one behind.
+//! Owns the child process, its log file, port picking and the readiness wait. The command line
+//! and any environment variables set on top of ours come from the caller (`compare` for
+//! rolter, `peer` for peers). A process is killed on drop, so an early return never leaves
+//! one behind.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -6,9 +6,9 @@
 //! Owns the `RUST_LOG` value that turns the lines on (added to the gateway's own, only when the
 //! caller asks), picking the lines out of a gateway log into `<trace>.placement.log`, parsing
 //! them, and the summary and its text. Must not touch the line's format: that is the gateway's
-//! (src/routing/explain.rs, whose test writes the line this module's tests parse); a line this
-//! parser cannot read is counted, not guessed at. Which processes get the value and where the
-//! files go is `compare`'s.
+//! (src/routing/explain.rs, whose tests write the line this module's tests parse and read back
+//! what it writes); a line this parser cannot read is counted, not guessed at. Which processes
+//! get the value and where the files go is `compare`'s.
 //!
 //! An extra home: a decision that placed a group on a target the group had not been placed on
 //! yet, when it had already been placed on at least one other (the group's first target is its
@@ -66,10 +66,14 @@ pub fn rust_log_with_placement(current: Option<&str>) -> String {
     out
 }
 
-/// Whether a gateway log line is a placement decision (env_logger's prefix ends with the
-/// target and `]`).
+/// Whether a gateway log line is a placement decision: env_logger's `[... placement] `
+/// prefix (its header's last word the target itself, not a module path ending in it), or
+/// the message alone.
 pub fn is_placement_line(line: &str) -> bool {
-    line.contains("placement]")
+    match line.split_once("] ") {
+        Some((head, _)) if head.starts_with('[') => head.rsplit(' ').next() == Some(LOG_TARGET),
+        _ => line.starts_with("group="),
+    }
 }
 
 /// The kept file's name for gateway `k` of `count` behind trace `trace_name`:
@@ -82,7 +86,8 @@ pub fn file_name(trace_name: &str, k: usize, count: usize) -> String {
     }
 }
 
-/// Copy the placement lines of the gateway log `from` (whole, in order) to `to`; returns how
+/// Copy the placement lines of the gateway log `from` (whole, in order) to `to`, if it has
+/// any (a strategy without the placement rule writes none, and gets no file); returns how
 /// many.
 pub fn copy_placement_lines(from: &Path, to: &Path) -> Result<usize, PlacementLogError> {
     let bytes = std::fs::read(from).map_err(|source| PlacementLogError::Read {
@@ -96,6 +101,9 @@ pub fn copy_placement_lines(from: &Path, to: &Path) -> Result<usize, PlacementLo
         out.push_str(line);
         out.push('\n');
         n += 1;
+    }
+    if n == 0 {
+        return Ok(0);
     }
     std::fs::write(to, out).map_err(|source| PlacementLogError::Write {
         path: to.to_path_buf(),
@@ -620,6 +628,12 @@ mod tests {
         assert!(!is_placement_line(
             "[2026-12-05T22:01:16Z INFO  access] GET /v1/chat/completions 200"
         ));
+        // The message alone (a logger without env_logger's prefix) is one too; a target whose
+        // module path ends in `placement` is not.
+        assert!(is_placement_line(SAMPLE.split_once("] ").unwrap().1));
+        assert!(!is_placement_line(
+            "[2026-12-05T22:01:16Z DEBUG rolter::routing::placement] group=1"
+        ));
         assert_eq!(file_name("cache_aware", 0, 1), "cache_aware.placement.log");
         assert_eq!(
             file_name("cache_aware@2.r3", 1, 2),
@@ -637,6 +651,11 @@ mod tests {
         );
         assert_eq!(find_logs(&dir).unwrap(), vec![to.clone()]);
         assert_eq!(summarize_file(&to).unwrap().decisions, 2);
+        // A log without placement lines (a strategy without the placement rule) gets no file.
+        let none = dir.join("y.placement.log");
+        std::fs::write(&from, "starting\n[... INFO  access] GET / 200\n").unwrap();
+        assert_eq!(copy_placement_lines(&from, &none).unwrap(), 0);
+        assert!(!none.exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
