@@ -15,6 +15,7 @@ pub mod fleet;
 pub mod kv_events;
 pub mod lmcache_poll;
 pub mod metrics;
+pub mod peering;
 pub mod pieces;
 pub mod prefix;
 pub mod prompt;

@@ -84,6 +84,10 @@ pub struct Metrics {
     pub discovery: IntCounterVec,
     /// Addresses (targets per route) a DNS-discovered provider has now.
     pub discovered_addresses: IntGaugeVec,
+    /// Peering notes (`[peering]`) by event: sent (per peer), received, dropped (queue
+    /// full), refused (not from a peer, or malformed), unknown_target, send_failed,
+    /// unsendable (a name too long for the wire).
+    pub peer_notes: IntCounterVec,
 }
 
 /// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
@@ -390,6 +394,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["provider"]
     )
     .expect("register rolter_discovered_addresses"),
+    peer_notes: register_int_counter_vec!(
+        "rolter_peer_notes_total",
+        "Peering notes by event (sent, received, dropped, refused, unknown_target, send_failed, unsendable)",
+        &["event"]
+    )
+    .expect("register rolter_peer_notes_total"),
 }
 });
 

@@ -127,6 +127,10 @@ pub fn serve(mut cli: Cli, ctx: LoadContext, args: RunArgs) -> Result<(), String
         "dns-discovery",
         crate::runtime::DiscoveryService(runtime.clone()),
     ));
+    server.add_service(background_service(
+        "peering",
+        crate::peering::PeeringService(runtime.clone()),
+    ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);
     server.run(args);

@@ -87,6 +87,25 @@ pub struct Config {
     /// Client keys: when present, every proxied request needs one.
     #[serde(default)]
     pub auth: Option<AuthConfig>,
+    /// Other gateways in front of the same fleet, told where each conversation went.
+    #[serde(default)]
+    pub peering: PeeringConfig,
+}
+
+/// Most `[peering] peers`.
+pub const MAX_PEERS: usize = 64;
+
+/// `[peering]`: gateways behind one L4 balancer tell each other, in UDP datagrams, which
+/// target each conversation's turn went to, so a turn reaching the gateway that did not
+/// serve the turn before follows it (`peering`). Off unless `listen` is set.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct PeeringConfig {
+    /// UDP `ip:port` this gateway receives its peers' notes on and sends its own from
+    /// (a peer accepts notes only from an address in its own `peers`). Read at start.
+    pub listen: Option<String>,
+    /// The other gateways' `listen` addresses (`ip:port`, no names).
+    pub peers: Vec<String>,
 }
 
 /// A secret from the routing file (an API key): its `Debug` never shows the value, so a

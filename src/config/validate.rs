@@ -262,6 +262,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         ));
     }
     out.extend(retry_problems(&config.retry));
+    out.extend(peering_problems(&config.peering, &policy));
     if let Some(auth) = &config.auth {
         if auth.keys_file.is_none() && auth.keys_env.is_none() {
             out.push("auth: needs keys_file or keys_env (or both)".into());
@@ -301,6 +302,48 @@ fn retry_problems(r: &super::RetryConfig) -> Vec<String> {
         out.push(format!(
             "retry.budget_window_s: must be between 1 and {MAX_BUDGET_WINDOW_S}"
         ));
+    }
+    out
+}
+
+/// Problems of `[peering]`: addresses are `ip:port` literals (a name could later resolve
+/// past the egress policy), each peer allowed by `[egress]`, none of them `listen` itself.
+fn peering_problems(p: &super::PeeringConfig, policy: &EgressPolicy) -> Vec<String> {
+    let mut out = Vec::new();
+    let parse = |key: String, text: &str, out: &mut Vec<String>| match text
+        .parse::<std::net::SocketAddr>()
+    {
+        Ok(a) if a.port() != 0 => Some(a),
+        _ => {
+            out.push(format!("{key}: \"{text}\" is not an ip:port address"));
+            None
+        }
+    };
+    let listen = p
+        .listen
+        .as_deref()
+        .and_then(|l| parse("peering.listen".into(), l, &mut out));
+    match (&p.listen, p.peers.len()) {
+        (Some(_), 0) => out.push("peering.peers: must name at least one peer".into()),
+        (None, n) if n > 0 => out.push("peering.listen: must be set when peers are".into()),
+        (_, n) if n > super::MAX_PEERS => {
+            out.push(format!("peering.peers: at most {} peers", super::MAX_PEERS))
+        }
+        _ => {}
+    }
+    let mut seen = HashSet::new();
+    for (i, text) in p.peers.iter().enumerate() {
+        let key = format!("peering.peers[{i}]");
+        let Some(addr) = parse(key.clone(), text, &mut out) else {
+            continue;
+        };
+        if Some(addr) == listen {
+            out.push(format!("{key}: is this gateway's own listen address"));
+        } else if !seen.insert(addr) {
+            out.push(format!("{key}: duplicate peer {addr}"));
+        } else if let Err(e) = policy.check_addr(addr.ip()) {
+            out.push(format!("{key}: {e}"));
+        }
     }
     out
 }

@@ -371,6 +371,11 @@ impl Registry {
         self.kv.retain(|p, _| providers.contains(p));
     }
 
+    /// The session table of the route `alias`, if it has one (never creates it).
+    pub fn sessions_of(&self, alias: &str) -> Option<Arc<SessionTable>> {
+        self.sessions.get(alias).map(|t| t.clone())
+    }
+
     /// Every route's session table, by alias.
     pub fn session_tables(&self) -> Vec<(String, Arc<SessionTable>)> {
         self.sessions

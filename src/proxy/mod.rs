@@ -469,6 +469,12 @@ impl Gateway {
             let others = strategy.fails_over() && view.eligible().any(|i| i != decision.target);
             let blocked = self.retry_blocker(ctx.attempts, others, now, deadline, retry, false);
             let attempt = Attempt::begin(route, strategy, &request.input, &view, decision, ticket);
+            if let Some(conversation) = attempt.decision.conversation {
+                let (label, new_work) = (target.state.label(), attempt.decision.new_work);
+                self.runtime
+                    .peering()
+                    .tell(&route.alias, label, conversation, new_work);
+            }
             let result = self
                 .exchange(session, table, &attempt, &mut request, blocked.is_none())
                 .await;

@@ -104,16 +104,18 @@ impl Default for CacheAware {
     }
 }
 
-/// The target `table` remembers for the conversation `keys` names, if any (the placement
-/// rule only considers it if it is among the eligible choices).
+/// The target `table` remembers for the conversation `keys` names, if any, and whether a
+/// peer's note put it there (the placement rule only considers it if it is among the
+/// eligible choices).
 pub fn previous_target(
     table: Option<&SessionTable>,
     keys: PlacementKeys,
     input: &RouteInput,
     fleet: &FleetView,
-) -> Option<usize> {
-    let label = table?.get_conversation(keys.conversation, input.now_ms)?;
-    fleet.candidates.iter().position(|c| c.label == &*label)
+) -> Option<(usize, bool)> {
+    let (label, from_peer) = table?.conversation_entry(keys.conversation, input.now_ms)?;
+    let index = fleet.candidates.iter().position(|c| c.label == &*label)?;
+    Some((index, from_peer))
 }
 
 /// Store in `table` that the decision's conversation went to `target`.
@@ -193,11 +195,13 @@ impl Strategy for CacheAware {
             .collect();
         let (keys, first_len) = input.placement();
         let keys = keys.with_session(input.session_id);
+        let previous = previous_target(self.conversations.as_deref(), keys, input, fleet);
         let ask = Ask {
             tokens: len / self.bytes_per_token,
             first_message_tokens: first_len as f64 / self.bytes_per_token,
             keys,
-            previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
+            previous: previous.map(|(i, _)| i),
+            previous_from_peer: previous.is_some_and(|(_, peer)| peer),
             group_home: self.groups.as_ref().and_then(|g| {
                 let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
                 g.note_and_home(keys.group, &labels, input.now_ms)

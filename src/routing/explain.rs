@@ -110,6 +110,7 @@ mod tests {
                 conversation: 0x5ce2,
             },
             previous: None,
+            previous_from_peer: false,
             group_home: Some(GroupHome::Known(0)),
         };
         // Target 2 is not eligible: the rule never saw it.
@@ -135,6 +136,7 @@ mod tests {
         let expected = Ask {
             group_home: Some(GroupHome::Expected(3)),
             previous: Some(1),
+            previous_from_peer: false,
             ..ask
         };
         let line = Explained {
@@ -165,6 +167,7 @@ mod tests {
                 conversation: 7,
             },
             previous: Some(3),
+            previous_from_peer: false,
             group_home: Some(GroupHome::Expected(1)),
         };
         let choices = [

@@ -33,7 +33,9 @@
 //!    over both at the cost of their first user message.
 //! 5. A conversation whose history no view holds any more is kept by the target that
 //!    served its last turn (`Ask::previous`, remembered by the caller), if that target
-//!    holds as much of the prompt as any.
+//!    holds as much of the prompt as any. One whose last turn another gateway placed
+//!    (`Ask::previous_from_peer`, a peer's note: `peering`) is kept by that target
+//!    whatever this gateway's views show: the history is there, placed by the peer.
 //! 6. Bounded load (`load_bound`): new work skips targets past `ceil(load_bound × mean)`
 //!    in flight (never below `q_min + 2`) when a target within the bound takes it
 //!    cheaply: it holds the prefix, or is idle (`Choice::room_tokens`).
@@ -211,6 +213,9 @@ pub struct Ask {
     /// The target that served this conversation's previous turn, if the caller remembers
     /// one (index into the route's targets).
     pub previous: Option<usize>,
+    /// `previous` is what another gateway told this one it placed the conversation's last
+    /// turn on (`peering`), not a decision of this gateway.
+    pub previous_from_peer: bool,
     /// The home every gateway names for the prompt's group (`group_homes`), if any.
     pub group_home: Option<GroupHome>,
 }
@@ -259,11 +264,19 @@ impl PlacementRule {
                 .map(counted)
                 .fold(0.0, f64::max)
         };
-        let home = choices
+        // Where a peer placed the conversation's last turn: this gateway's views show none
+        // of the history the peer's turns left there.
+        let peer_home = ask
+            .previous
+            .filter(|_| ask.previous_from_peer)
+            .and_then(|p| choices.iter().find(|c| c.index == p));
+        let holder = choices
             .iter()
             .find(|c| best_cached > 0.0 && counted(c) >= best_cached)
             .filter(|c| counted(c) - ask.first_message_tokens > CONTINUATION_MIN_TOKENS)
-            .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS)
+            .filter(|c| counted(c) - runner_up(c) > CONTINUATION_MIN_TOKENS);
+        let home = peer_home
+            .or(holder)
             // The history may be gone from every view while the target that served the
             // last turn still holds some of it: among the targets holding the most of the
             // prompt, that one is the conversation's own.
@@ -337,6 +350,9 @@ impl PlacementRule {
         };
         let mut reason = if let Some(Reason::ShareBound) = moved {
             Reason::ShareBound
+        } else if peer_home.is_some_and(|p| p.index == pick.index) {
+            // The history is there (the peer's views show it): a hit, whatever ours show.
+            Reason::CacheHit
         } else if best_cached == 0.0 {
             Reason::BelowThreshold
         } else if counted(pick) >= best_cached {
@@ -512,6 +528,7 @@ mod tests {
                 conversation: key.wrapping_add(1),
             },
             previous: None,
+            previous_from_peer: false,
             group_home: None,
         }
     }
@@ -632,6 +649,7 @@ mod tests {
                     conversation: conv.wrapping_mul(0x2545_f491),
                 },
                 previous: None,
+                previous_from_peer: false,
                 group_home: None,
             };
             seen[rule.place(&a, &c).unwrap().index] += 1;
@@ -861,6 +879,36 @@ mod tests {
         let c = choices(&[0, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
         let mut a = ask(2400.0, 2000.0, 3);
         a.previous = Some(2);
+        assert_eq!(rule.place(&a, &c).unwrap().index, 0);
+    }
+
+    /// A turn whose last turn another gateway placed goes where the peer put it, even where
+    /// this gateway's views hold none of it and another target holds older history, until
+    /// that target is truly overloaded.
+    #[test]
+    fn a_peers_placement_keeps_the_conversation_whatever_this_gateways_views_show() {
+        let rule = rule();
+        for key in 0..50 {
+            // Target 0 holds older history of the conversation here; the peer placed the
+            // last turn on 3, which holds nothing in this gateway's views.
+            let c = choices(&[0, 0, 0, 2], &[2300.0, 2000.0, 0.0, 0.0]);
+            let mut a = ask(2600.0, 2000.0, key);
+            a.previous = Some(3);
+            assert_eq!(rule.place(&a, &c).unwrap().index, 0, "key {key}");
+            a.previous_from_peer = true;
+            let p = rule.place(&a, &c).unwrap();
+            assert_eq!((p.index, p.reason), (3, Reason::CacheHit), "key {key}");
+            assert!(!p.new_work, "a continuation is not new work");
+            // Past twice `balance_abs` beyond the least loaded (and `balance_rel`), the
+            // overload guard moves it as it would any conversation.
+            let busy = choices(&[1, 1, 1, 12], &[2300.0, 2000.0, 0.0, 0.0]);
+            assert_ne!(rule.place(&a, &busy).unwrap().index, 3, "key {key}");
+        }
+        // A peer's target that is not eligible here (not among the choices) is no home.
+        let c = choices(&[0, 0, 0], &[2300.0, 2000.0, 0.0]);
+        let mut a = ask(2600.0, 2000.0, 1);
+        a.previous = Some(3);
+        a.previous_from_peer = true;
         assert_eq!(rule.place(&a, &c).unwrap().index, 0);
     }
 

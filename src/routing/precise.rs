@@ -164,11 +164,13 @@ impl Strategy for PreciseCacheAware {
             len => n * first_len as f64 / len as f64,
         };
         let keys = keys.with_session(input.session_id);
+        let previous = previous_target(self.conversations.as_deref(), keys, input, fleet);
         let ask = Ask {
             tokens: n,
             first_message_tokens,
             keys,
-            previous: previous_target(self.conversations.as_deref(), keys, input, fleet),
+            previous: previous.map(|(i, _)| i),
+            previous_from_peer: previous.is_some_and(|(_, peer)| peer),
             group_home: None,
         };
         let placed = self.rule.place(&ask, &choices)?;

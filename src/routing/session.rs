@@ -30,6 +30,8 @@ pub const MAX_SESSION_TTL_S: u64 = 30 * 24 * 3600;
 struct Entry {
     target: Arc<str>,
     expires_ms: u64,
+    /// Written from another gateway's note (`peering`), not by a decision of this one.
+    from_peer: bool,
 }
 
 /// One route's sessions.
@@ -69,31 +71,44 @@ impl SessionTable {
 
     /// The target label a live session is pinned to.
     pub fn get(&self, session: &str, now_ms: u64) -> Option<Arc<str>> {
-        self.get_by_key(self.key(session), now_ms)
+        self.get_by_key(self.key(session), now_ms).map(|(t, _)| t)
     }
 
     /// Pin (or re-pin) a session to `target` from `now_ms` for one TTL.
     pub fn put(&self, session: &str, target: &str, now_ms: u64) {
-        self.put_by_key(self.key(session), target, now_ms)
+        self.put_by_key(self.key(session), target, now_ms, false)
     }
 
     /// [`get`](Self::get) for a conversation known by a 64-bit key (e.g. a hash of its
     /// first messages), keyed through this table's own hash like a session id.
     pub fn get_conversation(&self, conversation: u64, now_ms: u64) -> Option<Arc<str>> {
+        self.conversation_entry(conversation, now_ms)
+            .map(|(t, _)| t)
+    }
+
+    /// [`get_conversation`](Self::get_conversation) and whether the entry came from a
+    /// peer's note ([`put_conversation_from_peer`](Self::put_conversation_from_peer)).
+    pub fn conversation_entry(&self, conversation: u64, now_ms: u64) -> Option<(Arc<str>, bool)> {
         self.get_by_key(self.ids.hash_one(conversation), now_ms)
     }
 
     /// [`put`](Self::put) for a conversation known by a 64-bit key.
     pub fn put_conversation(&self, conversation: u64, target: &str, now_ms: u64) {
-        self.put_by_key(self.ids.hash_one(conversation), target, now_ms)
+        self.put_by_key(self.ids.hash_one(conversation), target, now_ms, false)
     }
 
-    fn get_by_key(&self, key: u64, now_ms: u64) -> Option<Arc<str>> {
+    /// [`put_conversation`](Self::put_conversation) of what another gateway placed: the
+    /// entry says so until this gateway places the conversation itself.
+    pub fn put_conversation_from_peer(&self, conversation: u64, target: &str, now_ms: u64) {
+        self.put_by_key(self.ids.hash_one(conversation), target, now_ms, true)
+    }
+
+    fn get_by_key(&self, key: u64, now_ms: u64) -> Option<(Arc<str>, bool)> {
         let e = self.map.get(&key)?;
-        (now_ms < e.expires_ms).then(|| e.target.clone())
+        (now_ms < e.expires_ms).then(|| (e.target.clone(), e.from_peer))
     }
 
-    fn put_by_key(&self, key: u64, target: &str, now_ms: u64) {
+    fn put_by_key(&self, key: u64, target: &str, now_ms: u64, from_peer: bool) {
         let expires_ms = now_ms.saturating_add(self.ttl_ms.load(Ordering::Relaxed));
         match self.map.get_mut(&key) {
             Some(mut e) => {
@@ -101,6 +116,7 @@ impl SessionTable {
                     e.target = Arc::from(target);
                 }
                 e.expires_ms = expires_ms;
+                e.from_peer = from_peer;
             }
             None => {
                 let cap = self.cap.load(Ordering::Relaxed) as usize;
@@ -112,6 +128,7 @@ impl SessionTable {
                     Entry {
                         target: Arc::from(target),
                         expires_ms,
+                        from_peer,
                     },
                 );
             }
@@ -161,6 +178,18 @@ impl SessionTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peers_note_is_marked_until_this_gateway_places_the_conversation() {
+        let t = SessionTable::new(10, 10);
+        t.put_conversation(7, "a", 0);
+        assert_eq!(t.conversation_entry(7, 1), Some((Arc::from("a"), false)));
+        t.put_conversation_from_peer(7, "b", 2);
+        assert_eq!(t.conversation_entry(7, 3), Some((Arc::from("b"), true)));
+        assert_eq!(t.get_conversation(7, 3).as_deref(), Some("b"));
+        t.put_conversation(7, "b", 4);
+        assert_eq!(t.conversation_entry(7, 5), Some((Arc::from("b"), false)));
+    }
 
     #[test]
     fn ttl_expires_and_use_extends() {

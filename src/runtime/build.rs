@@ -339,6 +339,7 @@ impl RouteTable {
             lmcache,
             kv,
             discovered,
+            peering: crate::peering::PeeringSettings::from_config(&config.peering),
         })
     }
 }

@@ -80,6 +80,8 @@ pub struct Runtime {
     /// locked for a whole build and swap so reloads and rebuilds follow one another.
     /// Never taken on the request path.
     config: parking_lot::Mutex<config::Config>,
+    /// Notes to the other gateways (`[peering]`), open once the peering service runs.
+    peering: crate::peering::Outbox,
 }
 
 impl Runtime {
@@ -101,6 +103,7 @@ impl Runtime {
             routes_path: path.to_path_buf(),
             ctx,
             config: parking_lot::Mutex::new(config),
+            peering: crate::peering::Outbox::default(),
         })
     }
 
@@ -129,6 +132,11 @@ impl Runtime {
         &self.responses
     }
 
+    /// Where the request path tells the other gateways what it placed (`peering`).
+    pub fn peering(&self) -> &crate::peering::Outbox {
+        &self.peering
+    }
+
     /// The per-target state registry.
     pub fn registry(&self) -> &Registry {
         &self.registry
@@ -149,6 +157,9 @@ impl Runtime {
                 return Err(e);
             }
         };
+        if config.peering.listen != live.peering.listen {
+            log::warn!("reload: peering.listen changes take effect at the next start");
+        }
         *live = config;
         let (routes, targets, added, removed) = self.install(table);
         drop(live);

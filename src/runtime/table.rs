@@ -140,6 +140,8 @@ pub struct RouteTable {
     pub(super) kv: Vec<KvEntry>,
     /// The `discovery = "dns"` providers and the addresses this table was built with.
     pub(super) discovered: Vec<super::discovery::DiscoveredProvider>,
+    /// `[peering]`: the other gateways this one tells where it placed conversations.
+    pub peering: crate::peering::PeeringSettings,
 }
 
 impl RouteTable {

@@ -1,0 +1,264 @@
+//! Gateway peering: gateways behind one L4 balancer tell each other where they placed each
+//! conversation's turns, so a turn that reaches the gateway which did not serve the turn
+//! before it still goes where its history is.
+//!
+//! Why: a gateway learns what a replica holds from what it routed there. Behind a balancer
+//! that sends each request to any gateway, a conversation's next turn reaches the other
+//! gateway about half the time; that one's views hold none of the history, so it places
+//! the turn as new work, by its own load and counts, and where the conversation's group
+//! lives on two replicas the turn lands on the other one about half the time
+//! (docs/routing.md, "Two gateways"). A note per placed turn (route, target, the
+//! conversation's key, whether it was new work: `wire`) fixes that at the cost of one small
+//! datagram per turn and peer: the receiving gateway remembers the target in the route's
+//! session table, marked as a peer's (the placement rule keeps the conversation there as
+//! if its views held the history), and counts new work in the target's recent count, so
+//! `share_bound` sees what every gateway placed.
+//!
+//! Owns the UDP socket, the outbox the request path hands notes to, and applying received
+//! notes. Must not decide placement. The request path never waits on it: a note is encoded
+//! and offered to a bounded queue (a full queue drops it, counted); one task sends the
+//! queued notes, as many as fit a datagram at once, to every peer, and one receives. A
+//! datagram is accepted only from an address in `[peering] peers` (each gateway sends from
+//! its `listen` address). Notes are hints: a lost one costs a cache miss, never an answer.
+
+pub mod wire;
+
+use crate::config::PeeringConfig;
+use crate::fleet::ms_at;
+use crate::metrics::METRICS;
+use crate::runtime::{RouteTable, Runtime};
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use tokio::net::UdpSocket;
+use tokio::sync::mpsc;
+
+/// Notes waiting to be sent; past it, new ones are dropped.
+pub const QUEUE_NOTES: usize = 4096;
+
+/// `[peering]` as the live table holds it (validated: every address parsed).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeeringSettings {
+    /// The socket's address; `None` = peering off.
+    pub listen: Option<SocketAddr>,
+    /// Where notes go, and the only sources accepted.
+    pub peers: Arc<[SocketAddr]>,
+}
+
+impl PeeringSettings {
+    /// The settings of a validated `[peering]` (an unparsable address is left out).
+    pub fn from_config(c: &PeeringConfig) -> Self {
+        PeeringSettings {
+            listen: c.listen.as_deref().and_then(|l| l.parse().ok()),
+            peers: c.peers.iter().filter_map(|p| p.parse().ok()).collect(),
+        }
+    }
+
+    /// Whether a datagram from `from` is a peer's.
+    fn accepts(&self, from: SocketAddr) -> bool {
+        let from = SocketAddr::new(from.ip().to_canonical(), from.port());
+        self.peers.contains(&from)
+    }
+}
+
+/// Where the request path hands its notes; open once the peering service has its socket.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    queue: OnceLock<mpsc::Sender<Vec<u8>>>,
+}
+
+impl Outbox {
+    /// Tell the peers that `route`'s conversation `conversation` went to `label`. Nothing
+    /// when peering is off; never waits.
+    pub fn tell(&self, route: &str, label: &str, conversation: u64, new_work: bool) {
+        let Some(queue) = self.queue.get() else {
+            return;
+        };
+        let note = wire::Note {
+            route,
+            label,
+            conversation,
+            new_work,
+        };
+        let event = match wire::encode(&note) {
+            Ok(bytes) => match queue.try_send(bytes) {
+                Ok(()) => return,
+                Err(_) => "dropped",
+            },
+            Err(_) => "unsendable",
+        };
+        METRICS.peer_notes.with_label_values(&[event]).inc();
+    }
+
+    fn open(&self) -> Option<mpsc::Receiver<Vec<u8>>> {
+        let (tx, rx) = mpsc::channel(QUEUE_NOTES);
+        self.queue.set(tx).ok().map(|()| rx)
+    }
+}
+
+/// Background service: binds `[peering] listen` (as the routing file had it at start),
+/// sends the outbox's notes and applies the peers'.
+pub struct PeeringService(pub Arc<Runtime>);
+
+#[async_trait]
+impl BackgroundService for PeeringService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let Some(listen) = self.0.table().peering.listen else {
+            return;
+        };
+        let socket = match UdpSocket::bind(listen).await {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                log::error!("peering: cannot listen on {listen}: {e}; peering is off");
+                return;
+            }
+        };
+        let Some(outbox) = self.0.peering().open() else {
+            return;
+        };
+        log::info!("peering: listening on {listen}");
+        tokio::select! {
+            _ = send_notes(&self.0, &socket, outbox) => {}
+            _ = receive_notes(&self.0, &socket) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// Send queued notes to every peer, as many to a datagram as fit.
+async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Receiver<Vec<u8>>) {
+    let mut datagram = Vec::with_capacity(wire::MAX_DATAGRAM);
+    let mut carried = None;
+    loop {
+        let first = match carried.take() {
+            Some(note) => note,
+            None => match outbox.recv().await {
+                Some(note) => note,
+                None => return,
+            },
+        };
+        datagram.clear();
+        datagram.extend_from_slice(wire::MAGIC);
+        datagram.extend_from_slice(&first);
+        let mut notes = 1;
+        while let Ok(note) = outbox.try_recv() {
+            if datagram.len() + note.len() > wire::MAX_DATAGRAM {
+                carried = Some(note);
+                break;
+            }
+            datagram.extend_from_slice(&note);
+            notes += 1;
+        }
+        let peers = runtime.table().peering.peers.clone();
+        for peer in peers.iter() {
+            let event = match socket.send_to(&datagram, peer).await {
+                Ok(_) => "sent",
+                Err(e) => {
+                    log::debug!("peering: sending to {peer}: {e}");
+                    "send_failed"
+                }
+            };
+            METRICS.peer_notes.with_label_values(&[event]).inc_by(notes);
+        }
+    }
+}
+
+/// Apply every accepted datagram's notes.
+async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
+    // One byte over the limit: a longer datagram is cut there and refused as too long.
+    let mut buf = vec![0u8; wire::MAX_DATAGRAM + 1];
+    loop {
+        let (len, from) = match socket.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                // ICMP errors of an earlier send surface here on some systems: not fatal.
+                log::debug!("peering: receiving: {e}");
+                continue;
+            }
+        };
+        let table = runtime.table();
+        if !table.peering.accepts(from) {
+            METRICS.peer_notes.with_label_values(&["refused"]).inc();
+            continue;
+        }
+        match wire::decode(&buf[..len]) {
+            Ok(notes) => {
+                let now_ms = ms_at(Instant::now());
+                for note in &notes {
+                    let event = if apply(runtime, &table, note, now_ms) {
+                        "received"
+                    } else {
+                        "unknown_target"
+                    };
+                    METRICS.peer_notes.with_label_values(&[event]).inc();
+                }
+            }
+            Err(e) => {
+                log::debug!("peering: datagram from {from}: {e}");
+                METRICS.peer_notes.with_label_values(&["refused"]).inc();
+            }
+        }
+    }
+}
+
+/// Apply one note; false when this gateway has no such route or target.
+pub fn apply(runtime: &Runtime, table: &RouteTable, note: &wire::Note, now_ms: u64) -> bool {
+    let Some(route) = table.route(note.route) else {
+        return false;
+    };
+    let Some(target) = route.targets.iter().find(|t| t.state.label() == note.label) else {
+        return false;
+    };
+    if note.new_work {
+        target.state.placed.note(now_ms);
+    }
+    if let Some(sessions) = runtime.registry().sessions_of(note.route) {
+        sessions.put_conversation_from_peer(note.conversation, note.label, now_ms);
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_configured_peers_are_heard_whatever_the_address_family() {
+        let s = PeeringSettings::from_config(&PeeringConfig {
+            listen: Some("127.0.0.1:7100".into()),
+            peers: vec!["127.0.0.1:7101".into(), "[::1]:7102".into()],
+        });
+        assert_eq!(s.listen, Some("127.0.0.1:7100".parse().unwrap()));
+        assert!(s.accepts("127.0.0.1:7101".parse().unwrap()));
+        // A dual-stack socket reports an IPv4 sender as IPv4-mapped.
+        assert!(s.accepts("[::ffff:127.0.0.1]:7101".parse().unwrap()));
+        assert!(s.accepts("[::1]:7102".parse().unwrap()));
+        assert!(!s.accepts("127.0.0.1:7102".parse().unwrap()));
+        assert!(!s.accepts("127.0.0.2:7101".parse().unwrap()));
+    }
+
+    #[tokio::test]
+    async fn notes_wait_in_the_outbox_only_once_it_is_open_and_never_block() {
+        let outbox = Outbox::default();
+        // Closed: nothing queued, nothing waits.
+        outbox.tell("r", "p/m", 1, true);
+        let mut rx = outbox.open().unwrap();
+        assert!(outbox.open().is_none(), "opened twice");
+        for i in 0..QUEUE_NOTES as u64 + 10 {
+            outbox.tell("r", "p/m", i, false);
+        }
+        let first = rx.recv().await.unwrap();
+        let mut d = wire::MAGIC.to_vec();
+        d.extend(first);
+        let notes = wire::decode(&d).unwrap();
+        assert_eq!(notes[0].conversation, 0);
+        let mut queued = 1;
+        while rx.try_recv().is_ok() {
+            queued += 1;
+        }
+        assert_eq!(queued, QUEUE_NOTES, "the queue is bounded");
+    }
+}
