@@ -557,3 +557,55 @@ fn placement_keys_are_defaulted_and_bounded() {
         );
     }
 }
+
+#[test]
+fn peering_takes_ip_port_literals_allowed_by_egress() {
+    let c = parse(
+        &format!("{GOOD}\n[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.1:7101\", \"[::1]:7102\"]\n"),
+        "p.toml",
+    )
+    .expect("valid");
+    assert_eq!(c.peering.listen.as_deref(), Some("127.0.0.1:7100"));
+    assert_eq!(c.peering.peers.len(), 2);
+    assert_eq!(
+        parse(GOOD, "p.toml").unwrap().peering,
+        PeeringConfig::default()
+    );
+    let problems = |section: &str| {
+        parse(&format!("{GOOD}\n{section}"), "p.toml")
+            .unwrap_err()
+            .problems()
+    };
+    assert_eq!(
+        problems("[peering]\nlisten = \"127.0.0.1:7100\"\n"),
+        ["peering.peers: must name at least one peer"]
+    );
+    assert_eq!(
+        problems("[peering]\npeers = [\"127.0.0.1:7101\"]\n"),
+        ["peering.listen: must be set when peers are"]
+    );
+    assert_eq!(
+        problems("[peering]\nlisten = \"gw-1:7100\"\npeers = [\"gw-2:7100\", \"127.0.0.1:0\"]\n"),
+        [
+            "peering.listen: \"gw-1:7100\" is not an ip:port address",
+            "peering.peers[0]: \"gw-2:7100\" is not an ip:port address",
+            "peering.peers[1]: \"127.0.0.1:0\" is not an ip:port address",
+        ]
+    );
+    assert_eq!(
+        problems(
+            "[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.1:7100\", \"127.0.0.1:7101\", \"127.0.0.1:7101\"]\n"
+        ),
+        [
+            "peering.peers[0]: is this gateway's own listen address",
+            "peering.peers[2]: duplicate peer 127.0.0.1:7101",
+        ]
+    );
+    let denied =
+        problems("[peering]\nlisten = \"0.0.0.0:7100\"\npeers = [\"169.254.169.254:7100\"]\n");
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    assert!(
+        denied[0].starts_with("peering.peers[0]: address 169.254.169.254 is denied by egress rule"),
+        "{denied:?}"
+    );
+}

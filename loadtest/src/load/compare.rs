@@ -241,15 +241,23 @@ pub struct CompareArgs {
 }
 
 /// A rolter strategy name with an optional gateway count: `cache_aware@2` is cache_aware
-/// behind two gateways; no suffix (or an unreadable one) is one.
+/// behind two gateways (`cache_aware@2p`: two peered gateways, see [`peered`]); no suffix
+/// (or an unreadable one) is one.
 pub fn split_gateways(strategy: &str) -> (&str, usize) {
     match strategy.rsplit_once('@') {
-        Some((base, n)) => match n.parse::<usize>() {
+        Some((base, n)) => match n.strip_suffix('p').unwrap_or(n).parse::<usize>() {
             Ok(n) if n >= 1 => (base, n),
             _ => (strategy, 1),
         },
         None => (strategy, 1),
     }
+}
+
+/// Whether `strategy` names several gateways that tell each other where they placed each
+/// conversation (`S@Np`: each gateway's routing file gets a `[peering]` table naming the
+/// others).
+pub fn peered(strategy: &str) -> bool {
+    strategy.ends_with('p') && split_gateways(strategy).1 > 1
 }
 
 /// Whether `strategy` (without its `@N`) runs on rolter gateways: not a direct dispatch, not
@@ -272,16 +280,17 @@ pub fn with_gateway_twins(strategies: &[String], gateways: usize) -> Vec<String>
 }
 
 /// Start `count` rolter processes for `strategy` in front of `fleet`, all with one routing file
-/// (independent gateways: nothing shared but the replicas).
+/// (independent gateways: nothing shared but the replicas), or with `peering`, each with that
+/// file and a `[peering]` table naming the others.
 async fn start_rolter(
     fleet: &FleetHandle,
     compare: &CompareArgs,
     driver: &DriverArgs,
     strategy: &str,
     count: usize,
+    peering: bool,
     workdir: &Path,
 ) -> Result<Vec<Gateway>, String> {
-    let routes = workdir.join(format!("routes-{strategy}.toml"));
     let toml = routes_toml_with(
         fleet,
         strategy,
@@ -289,9 +298,23 @@ async fn start_rolter(
         &compare.upstream_model,
         &compare.route_options,
     );
-    std::fs::write(&routes, toml).map_err(|e| format!("writing {}: {e}", routes.display()))?;
+    let peer_ports = if peering {
+        udp_ports(count).map_err(|e| format!("picking peering ports: {e}"))?
+    } else {
+        Vec::new()
+    };
     let mut gateways: Vec<Gateway> = Vec::with_capacity(count);
     for k in 0..count {
+        let (routes, toml) = if peering {
+            let file = workdir.join(format!("routes-{strategy}-{k}.toml"));
+            (file, format!("{toml}{}", peering_table(&peer_ports, k)))
+        } else {
+            (
+                workdir.join(format!("routes-{strategy}.toml")),
+                toml.clone(),
+            )
+        };
+        std::fs::write(&routes, toml).map_err(|e| format!("writing {}: {e}", routes.display()))?;
         let taken: Vec<u16> = gateways.iter().map(|g| g.port).collect();
         let port = free_port(&taken).map_err(|e| format!("picking a port: {e}"))?;
         let mut args = vec![
@@ -332,6 +355,30 @@ async fn start_rolter(
         );
     }
     Ok(gateways)
+}
+
+/// `count` distinct free UDP ports on 127.0.0.1.
+fn udp_ports(count: usize) -> std::io::Result<Vec<u16>> {
+    // Held together while picking, so no two are the same.
+    let sockets: Vec<std::net::UdpSocket> = (0..count)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    sockets.iter().map(|s| Ok(s.local_addr()?.port())).collect()
+}
+
+/// The `[peering]` table of gateway `k` among gateways listening on `ports`.
+fn peering_table(ports: &[u16], k: usize) -> String {
+    let peers: Vec<String> = ports
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != k)
+        .map(|(_, p)| format!("\"127.0.0.1:{p}\""))
+        .collect();
+    format!(
+        "\n[peering]\nlisten = \"127.0.0.1:{}\"\npeers = [{}]\n",
+        ports[k],
+        peers.join(", ")
+    )
 }
 
 /// Start the peer gateway `peer` in front of `workers`.
@@ -408,6 +455,7 @@ pub async fn run_strategy_traced(
     let mut opts = driver.run_options(seed);
     opts.tokenizer = prompt_tokenizer;
     let (base, count) = split_gateways(strategy);
+    let peering = peered(strategy);
     let rolter = is_rolter(base);
     let started = match base {
         "direct_round_robin" => Ok((Dispatch::RoundRobin(urls.clone()), Vec::new())),
@@ -420,7 +468,7 @@ pub async fn run_strategy_traced(
                     .await
                     .map(|gw| vec![gw])
             }
-            None => start_rolter(&fleet, compare, driver, base, count, workdir).await,
+            None => start_rolter(&fleet, compare, driver, base, count, peering, workdir).await,
         }
         .map(|gws| {
             let bases: Vec<String> = gws.iter().map(|g| g.base_url.clone()).collect();
@@ -700,6 +748,30 @@ mod tests {
         assert_eq!(split_gateways("cache_aware"), ("cache_aware", 1));
         assert_eq!(split_gateways("cache_aware@x"), ("cache_aware@x", 1));
         assert_eq!(split_gateways("cache_aware@0"), ("cache_aware@0", 1));
+        assert_eq!(split_gateways("cache_aware@2p"), ("cache_aware", 2));
+        assert!(peered("cache_aware@2p"));
+        assert!(!peered("cache_aware@2"));
+        assert!(!peered("cache_aware@1p"));
+        assert!(!peered("smg_cache_aware"));
+    }
+
+    #[test]
+    fn each_peered_gateway_names_the_others_and_listens_on_its_own_port() {
+        let t = peering_table(&[7100, 7101, 7102], 1);
+        let v: toml::Value = toml::from_str(&t).unwrap();
+        assert_eq!(v["peering"]["listen"].as_str(), Some("127.0.0.1:7101"));
+        let peers: Vec<&str> = v["peering"]["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect();
+        assert_eq!(peers, ["127.0.0.1:7100", "127.0.0.1:7102"]);
+        let ports = udp_ports(3).unwrap();
+        assert_eq!(
+            ports.iter().collect::<std::collections::HashSet<_>>().len(),
+            3
+        );
     }
 
     #[test]
