@@ -15,6 +15,7 @@
 #   WORKLOADS=multi-turn-sweep loadtest/run.sh      # open-loop rates to saturation: goodput
 #   GATEWAYS=2 SUFFIX=-2gw STRATEGIES=cache_aware,pipeline,precise_cache_aware \
 #     WORKLOADS="multi-turn multi-turn-pressure" loadtest/run.sh   # +rows behind 2 gateways
+#   PEERING=1 with GATEWAYS=N adds rows behind N peered gateways (S@Np, `[peering]`)
 #   (peer gateways as rows: loadtest/peers.sh, which installs them and then runs this script)
 #
 # The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
@@ -49,6 +50,7 @@ RATES="${RATES:-60,120,180,240,300}"
 SLO_TTFT_MS="${SLO_TTFT_MS:-500}"
 COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 120
   --repeats "$REPEATS" --gateways "$GATEWAYS" --slo-ttft-ms "$SLO_TTFT_MS")
+if [ "${PEERING:-0}" = 1 ]; then COMMON+=(--peering); fi
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)

@@ -225,6 +225,10 @@ pub struct CompareArgs {
     /// as an L4 balancer would. `S@N` in --strategies does the same for one strategy.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
+    /// With --gateways N: also run each rolter strategy S behind N peered gateways (row
+    /// `S@Np`: each gateway's routing file gets a `[peering]` table naming the others).
+    #[arg(long)]
+    pub peering: bool,
     /// Rounds: every strategy runs once per round (fresh fleet each time), in an order rotated
     /// by one each round; the report gives per-strategy medians and the hit rate's min–max.
     #[arg(long, default_value_t = 1)]
@@ -267,13 +271,17 @@ fn is_rolter(strategy: &str) -> bool {
 }
 
 /// `strategies` with, when `gateways` > 1, each rolter strategy followed by its
-/// `<strategy>@<gateways>` twin (direct, peer and already-suffixed names are left alone).
-pub fn with_gateway_twins(strategies: &[String], gateways: usize) -> Vec<String> {
-    let mut out = Vec::with_capacity(strategies.len() * 2);
+/// `<strategy>@<gateways>` twin, and with `peering` its `<strategy>@<gateways>p` twin too
+/// (direct, peer and already-suffixed names are left alone).
+pub fn with_gateway_twins(strategies: &[String], gateways: usize, peering: bool) -> Vec<String> {
+    let mut out = Vec::with_capacity(strategies.len() * 3);
     for s in strategies {
         out.push(s.clone());
         if gateways > 1 && is_rolter(s) && !s.contains('@') {
             out.push(format!("{s}@{gateways}"));
+            if peering {
+                out.push(format!("{s}@{gateways}p"));
+            }
         }
     }
     out
@@ -676,7 +684,7 @@ pub async fn compare(
     let bound = upper_bound(&sessions, sim.block_size);
     let workdir = workdir()?;
     let rounds = args.repeats.max(1);
-    let strategies = with_gateway_twins(&args.strategies, args.gateways);
+    let strategies = with_gateway_twins(&args.strategies, args.gateways, args.peering);
     let Rounds { runs, skipped } = run_rounds(
         &strategies,
         rounds,
@@ -785,9 +793,13 @@ mod tests {
         ]
         .map(String::from)
         .to_vec();
-        assert_eq!(with_gateway_twins(&s, 1), s);
+        assert_eq!(with_gateway_twins(&s, 1, true), s);
         assert_eq!(
-            with_gateway_twins(&s, 2),
+            with_gateway_twins(&s[..1], 2, true),
+            ["cache_aware", "cache_aware@2", "cache_aware@2p"]
+        );
+        assert_eq!(
+            with_gateway_twins(&s, 2, false),
             [
                 "cache_aware",
                 "cache_aware@2",

@@ -74,7 +74,7 @@ pub async fn sweep(
     let bound = upper_bound(&sessions, sim.block_size);
     let dir = workdir()?;
     let rounds = args.repeats.max(1);
-    let strategies = with_gateway_twins(&args.strategies, args.gateways);
+    let strategies = with_gateway_twins(&args.strategies, args.gateways, args.peering);
     let mut points = Vec::new();
     let mut detail = String::new();
     let mut all_runs = Vec::new();
