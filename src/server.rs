@@ -95,7 +95,9 @@ pub fn serve(mut cli: Cli, ctx: LoadContext, args: RunArgs) -> Result<(), String
     // Exits the process after checking pingora's YAML when `-t` was given.
     server.bootstrap();
     let connections = Arc::new(OpenConnections::default());
-    let gateway = Gateway::new(runtime.clone(), &server.configuration, connections.clone());
+    let peering = Arc::new(crate::peering::Outbox::default());
+    let gateway = Gateway::new(runtime.clone(), &server.configuration, connections.clone())
+        .with_peering(peering.clone());
     let app = pingora::proxy::http_proxy(&server.configuration, gateway);
     let mut proxy = Service::new(
         "rolter".to_string(),
@@ -129,7 +131,7 @@ pub fn serve(mut cli: Cli, ctx: LoadContext, args: RunArgs) -> Result<(), String
     ));
     server.add_service(background_service(
         "peering",
-        crate::peering::PeeringService(runtime.clone()),
+        crate::peering::PeeringService(runtime.clone(), peering),
     ));
     server.add_service(background_service("sighup-reload", ReloadOnSighup(runtime)));
     log::info!("rolter listening on {}", cli.listen);

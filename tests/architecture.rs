@@ -208,6 +208,7 @@ fn the_routing_core_imports_no_edge_and_no_config() {
             "runtime",
             "server",
             "lmcache_poll",
+            "peering",
         ] {
             assert!(!uses.contains(edge), "{core}/ imports {edge}");
         }

@@ -23,14 +23,12 @@
 
 pub mod wire;
 
-use crate::config::PeeringConfig;
 use crate::fleet::ms_at;
 use crate::metrics::METRICS;
 use crate::runtime::{RouteTable, Runtime};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio::net::UdpSocket;
@@ -38,31 +36,6 @@ use tokio::sync::mpsc;
 
 /// Notes waiting to be sent; past it, new ones are dropped.
 pub const QUEUE_NOTES: usize = 4096;
-
-/// `[peering]` as the live table holds it (validated: every address parsed).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PeeringSettings {
-    /// The socket's address; `None` = peering off.
-    pub listen: Option<SocketAddr>,
-    /// Where notes go, and the only sources accepted.
-    pub peers: Arc<[SocketAddr]>,
-}
-
-impl PeeringSettings {
-    /// The settings of a validated `[peering]` (an unparsable address is left out).
-    pub fn from_config(c: &PeeringConfig) -> Self {
-        PeeringSettings {
-            listen: c.listen.as_deref().and_then(|l| l.parse().ok()),
-            peers: c.peers.iter().filter_map(|p| p.parse().ok()).collect(),
-        }
-    }
-
-    /// Whether a datagram from `from` is a peer's.
-    fn accepts(&self, from: SocketAddr) -> bool {
-        let from = SocketAddr::new(from.ip().to_canonical(), from.port());
-        self.peers.contains(&from)
-    }
-}
 
 /// Where the request path hands its notes; open once the peering service has its socket.
 #[derive(Debug, Default)]
@@ -100,8 +73,8 @@ impl Outbox {
 }
 
 /// Background service: binds `[peering] listen` (as the routing file had it at start),
-/// sends the outbox's notes and applies the peers'.
-pub struct PeeringService(pub Arc<Runtime>);
+/// sends the notes handed to the outbox (the proxy's) and applies the peers'.
+pub struct PeeringService(pub Arc<Runtime>, pub Arc<Outbox>);
 
 #[async_trait]
 impl BackgroundService for PeeringService {
@@ -116,7 +89,7 @@ impl BackgroundService for PeeringService {
                 return;
             }
         };
-        let Some(outbox) = self.0.peering().open() else {
+        let Some(outbox) = self.1.open() else {
             return;
         };
         log::info!("peering: listening on {listen}");
@@ -224,6 +197,9 @@ pub fn apply(runtime: &Runtime, table: &RouteTable, note: &wire::Note, now_ms: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::config::PeeringConfig;
+    use crate::runtime::PeeringSettings;
 
     #[test]
     fn only_configured_peers_are_heard_whatever_the_address_family() {

@@ -143,6 +143,8 @@ pub struct Gateway {
     models: models::ModelInfoCache,
     /// Where recent long chat bodies' messages ended, to resume the next turn's parse.
     resume: prompt::resume::ResumeCache,
+    /// Where each placed turn is told to the other gateways (`[peering]`; closed without).
+    peering: Arc<crate::peering::Outbox>,
 }
 
 impl Gateway {
@@ -161,7 +163,14 @@ impl Gateway {
             retry_budget: retry::RetryBudget::default(),
             models: Default::default(),
             resume: Default::default(),
+            peering: Default::default(),
         }
+    }
+
+    /// This gateway telling its peers where it placed each turn through `outbox`.
+    pub fn with_peering(mut self, outbox: Arc<crate::peering::Outbox>) -> Self {
+        self.peering = outbox;
+        self
     }
 
     async fn handle(
@@ -471,8 +480,7 @@ impl Gateway {
             let attempt = Attempt::begin(route, strategy, &request.input, &view, decision, ticket);
             if let Some(conversation) = attempt.decision.conversation {
                 let (label, new_work) = (target.state.label(), attempt.decision.new_work);
-                self.runtime
-                    .peering()
+                self.peering
                     .tell(&route.alias, label, conversation, new_work);
             }
             let result = self

@@ -339,7 +339,7 @@ impl RouteTable {
             lmcache,
             kv,
             discovered,
-            peering: crate::peering::PeeringSettings::from_config(&config.peering),
+            peering: super::table::PeeringSettings::from_config(&config.peering),
         })
     }
 }

@@ -18,7 +18,7 @@ mod tests;
 pub use build::LoadContext;
 pub use discovery::DiscoveryService;
 pub use reload::ReloadOnSighup;
-pub use table::{KvEntry, KvSpec, Route, RouteTable, RouteTarget};
+pub use table::{KvEntry, KvSpec, PeeringSettings, Route, RouteTable, RouteTarget};
 
 use crate::config::{self, ConfigError};
 use crate::egress::{EgressError, Resolver};
@@ -80,8 +80,6 @@ pub struct Runtime {
     /// locked for a whole build and swap so reloads and rebuilds follow one another.
     /// Never taken on the request path.
     config: parking_lot::Mutex<config::Config>,
-    /// Notes to the other gateways (`[peering]`), open once the peering service runs.
-    peering: crate::peering::Outbox,
 }
 
 impl Runtime {
@@ -103,7 +101,6 @@ impl Runtime {
             routes_path: path.to_path_buf(),
             ctx,
             config: parking_lot::Mutex::new(config),
-            peering: crate::peering::Outbox::default(),
         })
     }
 
@@ -130,11 +127,6 @@ impl Runtime {
     /// Where each known Responses API response lives (survives reloads).
     pub fn responses(&self) -> &ResponseAffinity {
         &self.responses
-    }
-
-    /// Where the request path tells the other gateways what it placed (`peering`).
-    pub fn peering(&self) -> &crate::peering::Outbox {
-        &self.peering
     }
 
     /// The per-target state registry.

@@ -141,7 +141,33 @@ pub struct RouteTable {
     /// The `discovery = "dns"` providers and the addresses this table was built with.
     pub(super) discovered: Vec<super::discovery::DiscoveredProvider>,
     /// `[peering]`: the other gateways this one tells where it placed conversations.
-    pub peering: crate::peering::PeeringSettings,
+    pub peering: PeeringSettings,
+}
+
+/// `[peering]` as the live table holds it (validated: every address parsed).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeeringSettings {
+    /// The socket's address; `None` = peering off.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Where notes go, and the only sources accepted.
+    pub peers: Arc<[std::net::SocketAddr]>,
+}
+
+impl PeeringSettings {
+    /// The settings of a validated `[peering]` (an unparsable address is left out).
+    pub fn from_config(c: &crate::config::PeeringConfig) -> Self {
+        PeeringSettings {
+            listen: c.listen.as_deref().and_then(|l| l.parse().ok()),
+            peers: c.peers.iter().filter_map(|p| p.parse().ok()).collect(),
+        }
+    }
+
+    /// Whether a datagram from `from` is a peer's (an IPv4 sender seen through a
+    /// dual-stack socket as IPv4-mapped counts as itself).
+    pub fn accepts(&self, from: std::net::SocketAddr) -> bool {
+        let from = std::net::SocketAddr::new(from.ip().to_canonical(), from.port());
+        self.peers.contains(&from)
+    }
 }
 
 impl RouteTable {
