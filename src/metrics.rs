@@ -85,7 +85,7 @@ pub struct Metrics {
     /// Addresses (targets per route) a DNS-discovered provider has now.
     pub discovered_addresses: IntGaugeVec,
     /// Peering notes (`[peering]`) by event: sent (per peer), received, dropped (queue
-    /// full), refused (not from a peer, or malformed), unknown_target, send_failed,
+    /// full), refused (not from a peer, or malformed), ignored, send_failed,
     /// unsendable (a name too long for the wire).
     pub peer_notes: IntCounterVec,
 }
@@ -396,7 +396,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     .expect("register rolter_discovered_addresses"),
     peer_notes: register_int_counter_vec!(
         "rolter_peer_notes_total",
-        "Peering notes by event (sent, received, dropped, refused, unknown_target, send_failed, unsendable)",
+        "Peering notes by event (sent, received, dropped, refused, ignored, send_failed, unsendable)",
         &["event"]
     )
     .expect("register rolter_peer_notes_total"),

@@ -7,20 +7,31 @@ mod common;
 use common::*;
 use std::time::Duration;
 
-/// Turn `turns` of conversation `conv` (its own system prompt: nothing shared).
-fn turn(conv: usize, turns: usize) -> String {
-    let system = format!(
-        "You are assistant {conv}. {}",
-        "Answer with care. ".repeat(40)
-    );
-    let question = |t: usize| serde_json::json!({"role": "user", "content": format!("conversation {conv} question {t}")});
+/// A system prompt long enough to count as cached on its own (over 256 tokens).
+fn system(k: usize) -> String {
+    format!(
+        "You are assistant {k}. {}",
+        "Answer with care and cite sources. ".repeat(40)
+    )
+}
+
+/// Turn `turns` of conversation `conv` under `system`, for route `model`; each question is
+/// long enough (about 40 tokens) to count as history beyond the system prompt.
+fn turn(model: &str, system: &str, conv: usize, turns: usize) -> String {
+    let question = |t: usize| {
+        let text = format!(
+            "conversation {conv} question {t}: {}",
+            "please explain it in detail. ".repeat(5)
+        );
+        serde_json::json!({"role": "user", "content": text})
+    };
     let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
     for t in 0..turns {
         messages.push(question(t));
         messages.push(serde_json::json!({"role": "assistant", "content": format!("answer {t}")}));
     }
     messages.push(question(turns));
-    serde_json::json!({"model": "alias", "messages": messages}).to_string()
+    serde_json::json!({"model": model, "messages": messages}).to_string()
 }
 
 /// A loopback UDP port nobody uses right now.
@@ -32,17 +43,25 @@ fn free_udp_port() -> u16 {
         .port()
 }
 
-/// Providers p0..p2 for `urls`, a cache_aware route over `targets` of them, and `[peering]`.
-fn routes(urls: &[String], targets: &[usize], listen: u16, peer: u16) -> String {
+/// Providers p0..p2 for `urls`, cache_aware routes (`alias`, and `warm` when given) over
+/// the given targets, and `[peering]`.
+fn routes(urls: &[String], alias: &[usize], warm: &[usize], listen: u16, peer: u16) -> String {
     let mut s = String::new();
     for (i, u) in urls.iter().enumerate() {
         s += &format!(
             "[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n"
         );
     }
-    s += "[[routes]]\nmodel = \"alias\"\nstrategy = \"cache_aware\"\n";
-    for i in targets {
-        s += &format!("[[routes.targets]]\nprovider = \"p{i}\"\nmodel = \"upstream-model-{i}\"\n");
+    for (model, targets) in [("alias", alias), ("warm", warm)] {
+        if targets.is_empty() {
+            continue;
+        }
+        s += &format!("[[routes]]\nmodel = \"{model}\"\nstrategy = \"cache_aware\"\n");
+        for i in targets {
+            s += &format!(
+                "[[routes.targets]]\nprovider = \"p{i}\"\nmodel = \"upstream-model-{i}\"\n"
+            );
+        }
     }
     s += &format!("\n[peering]\nlisten = \"127.0.0.1:{listen}\"\npeers = [\"127.0.0.1:{peer}\"]\n");
     s
@@ -61,32 +80,43 @@ async fn a_turn_reaching_the_other_gateway_goes_where_its_peer_put_the_last_one(
     ];
     let urls: Vec<String> = stubs.iter().map(|s| s.url()).collect();
     let (port_a, port_b) = (free_udp_port(), free_udp_port());
-    // Gateway A routes to "b" only; B to all three. Without A's notes, B places each
-    // conversation's second turn as new work over three targets (nothing of it in its
-    // trie), so six conversations would not all land on "b".
-    let a = Gateway::start(&routes(&urls, &[1], port_a, port_b)).await;
-    let b = Gateway::start(&routes(&urls, &[0, 1, 2], port_b, port_a)).await;
-    for conv in 0..6 {
-        let (status, id, _) = post_chat(&a, turn(conv, 0)).await;
+    // Gateway A routes `alias` to "b" only. Gateway B routes it over all three, and `warm`
+    // to "b" only: a request there puts the system prompt in B's view of "b" (a target's
+    // prefix state is shared by the routes using it).
+    let a = Gateway::start(&routes(&urls, &[1], &[], port_a, port_b)).await;
+    let b = Gateway::start(&routes(&urls, &[0, 1, 2], &[1], port_b, port_a)).await;
+    let mut heard = 0.0;
+    let mut checked = 0;
+    for k in 0..8 {
+        let system = system(k);
+        let (status, id, _) = post_chat(&b, turn("warm", &system, 99, 0)).await;
         assert_eq!((status, id.as_deref()), (200, Some("b")));
-        let heard = eventually(Duration::from_secs(5), || async {
-            b.metric(RECEIVED).await.unwrap_or(0.0) >= (conv + 1) as f64
-        })
-        .await;
-        assert!(heard, "B never heard of conversation {conv}");
-        for turns in 1..3 {
-            let (status, id, _) = post_chat(&b, turn(conv, turns)).await;
+        for conv in 0..4 {
+            // The first turn through B: its group's home there, once the group is known.
+            let (status, first, _) = post_chat(&b, turn("alias", &system, conv, 0)).await;
             assert_eq!(status, 200);
-            assert_eq!(id.as_deref(), Some("b"), "conversation {conv} turn {turns}");
+            // The second through A, which can only place it on "b" and tells B so.
+            let (status, id, _) = post_chat(&a, turn("alias", &system, conv, 1)).await;
+            assert_eq!((status, id.as_deref()), (200, Some("b")));
+            heard += 1.0;
+            let told = eventually(Duration::from_secs(5), || async {
+                b.metric(RECEIVED).await.unwrap_or(0.0) >= heard
+            })
+            .await;
+            assert!(told, "B never heard of conversation {conv}'s second turn");
+            // The third through B: without the note, B's view has the first turn's history
+            // on the first turn's target and sends it back there.
+            let (status, id, _) = post_chat(&b, turn("alias", &system, conv, 2)).await;
+            assert_eq!(status, 200);
+            assert_eq!(id.as_deref(), Some("b"), "system {k} conversation {conv}");
+            checked += usize::from(first.as_deref() != Some("b"));
+        }
+        if checked >= 3 {
+            break;
         }
     }
-    assert!(a.metric(SENT).await.unwrap_or(0.0) >= 6.0);
-    // B's own turns went back to A: it heard them as its peer's.
-    let heard = eventually(Duration::from_secs(5), || async {
-        a.metric(RECEIVED).await.unwrap_or(0.0) >= 12.0
-    })
-    .await;
-    assert!(heard, "A never heard of B's turns");
+    assert!(checked >= 3, "too few first turns away from \"b\" to tell");
+    assert!(a.metric(SENT).await.unwrap_or(0.0) >= heard);
 
     // A datagram from a socket that is not B's peer address is refused, however well formed.
     let before = b.metric(REFUSED).await.unwrap_or(0.0);

@@ -164,7 +164,7 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
                     let event = if apply(runtime, &table, note, now_ms) {
                         "received"
                     } else {
-                        "unknown_target"
+                        "ignored"
                     };
                     METRICS.peer_notes.with_label_values(&[event]).inc();
                 }
@@ -177,9 +177,10 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
     }
 }
 
-/// Apply one note; false when this gateway has no such route or target.
+/// Apply one note; false when this gateway has no such route (or its strategy does not use
+/// notes) or target.
 pub fn apply(runtime: &Runtime, table: &RouteTable, note: &wire::Note, now_ms: u64) -> bool {
-    let Some(route) = table.route(note.route) else {
+    let Some(route) = table.route(note.route).filter(|r| r.strategy.hears_peers()) else {
         return false;
     };
     let Some(target) = route.targets.iter().find(|t| t.state.label() == note.label) else {

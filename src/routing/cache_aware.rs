@@ -164,6 +164,10 @@ impl Strategy for CacheAware {
         true
     }
 
+    fn hears_peers(&self) -> bool {
+        self.conversations.is_some()
+    }
+
     fn select(&self, input: &RouteInput, fleet: &FleetView) -> Option<Decision> {
         if input.prompt_len() == 0 {
             return fleet.least_loaded().map(|target| Decision {

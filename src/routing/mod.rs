@@ -273,6 +273,14 @@ pub trait Strategy: Send + Sync {
         false
     }
 
+    /// Whether this strategy keeps a conversation where another gateway placed its last turn
+    /// (`[peering]` notes, in its session table as a peer's): for strategies that know a
+    /// replica's cache only from what this gateway routed there. Default: no (the gateway
+    /// neither sends nor applies notes for the route).
+    fn hears_peers(&self) -> bool {
+        false
+    }
+
     /// Whether a failed attempt may go to another target. A strategy bound to one target
     /// (a stored response's replica) says no, so its failures are not held back for a
     /// retry that could not happen. Default: yes.

@@ -34,8 +34,9 @@
 //! 5. A conversation whose history no view holds any more is kept by the target that
 //!    served its last turn (`Ask::previous`, remembered by the caller), if that target
 //!    holds as much of the prompt as any. One whose last turn another gateway placed
-//!    (`Ask::previous_from_peer`, a peer's note: `peering`) is kept by that target
-//!    whatever this gateway's views show: the history is there, placed by the peer.
+//!    (`Ask::previous_from_peer`, a peer's note: `peering`) is kept by that target while
+//!    this gateway's view of it holds a counted part of the prompt (its group's prefix),
+//!    whatever the views show of the history: the peer placed the history there.
 //! 6. Bounded load (`load_bound`): new work skips targets past `ceil(load_bound × mean)`
 //!    in flight (never below `q_min + 2`) when a target within the bound takes it
 //!    cheaply: it holds the prefix, or is idle (`Choice::room_tokens`).
@@ -266,10 +267,15 @@ impl PlacementRule {
         };
         // Where a peer placed the conversation's last turn: this gateway's views show none
         // of the history the peer's turns left there.
+        // Only while this gateway's view of that target still holds part of the prompt (the
+        // group's prefix): the views forget what a replica has likely evicted, and a
+        // conversation the peer moved onto a replica caching another group loses its
+        // history there about as soon as the peer's own view would forget it.
         let peer_home = ask
             .previous
             .filter(|_| ask.previous_from_peer)
-            .and_then(|p| choices.iter().find(|c| c.index == p));
+            .and_then(|p| choices.iter().find(|c| c.index == p))
+            .filter(|c| counted(c) > 0.0);
         let holder = choices
             .iter()
             .find(|c| best_cached > 0.0 && counted(c) >= best_cached)
@@ -883,15 +889,16 @@ mod tests {
     }
 
     /// A turn whose last turn another gateway placed goes where the peer put it, even where
-    /// this gateway's views hold none of it and another target holds older history, until
-    /// that target is truly overloaded.
+    /// this gateway's views hold only the group's prefix there and another target holds
+    /// older history, until that target is truly overloaded; not where this gateway's view
+    /// holds nothing of the prompt (the replica has likely evicted it).
     #[test]
-    fn a_peers_placement_keeps_the_conversation_whatever_this_gateways_views_show() {
+    fn a_peers_placement_keeps_the_conversation_while_the_target_holds_its_group() {
         let rule = rule();
         for key in 0..50 {
             // Target 0 holds older history of the conversation here; the peer placed the
-            // last turn on 3, which holds nothing in this gateway's views.
-            let c = choices(&[0, 0, 0, 2], &[2300.0, 2000.0, 0.0, 0.0]);
+            // last turn on 3, which holds the system prompt in this gateway's views.
+            let c = choices(&[0, 0, 0, 2], &[2300.0, 2000.0, 0.0, 2000.0]);
             let mut a = ask(2600.0, 2000.0, key);
             a.previous = Some(3);
             assert_eq!(rule.place(&a, &c).unwrap().index, 0, "key {key}");
@@ -901,8 +908,12 @@ mod tests {
             assert!(!p.new_work, "a continuation is not new work");
             // Past twice `balance_abs` beyond the least loaded (and `balance_rel`), the
             // overload guard moves it as it would any conversation.
-            let busy = choices(&[1, 1, 1, 12], &[2300.0, 2000.0, 0.0, 0.0]);
+            let busy = choices(&[1, 1, 1, 12], &[2300.0, 2000.0, 0.0, 2000.0]);
             assert_ne!(rule.place(&a, &busy).unwrap().index, 3, "key {key}");
+            // Holding nothing of the prompt here, 3 is no home: the history is placed by
+            // this gateway's views.
+            let gone = choices(&[0, 0, 0, 2], &[2300.0, 2000.0, 0.0, 0.0]);
+            assert_eq!(rule.place(&a, &gone).unwrap().index, 0, "key {key}");
         }
         // A peer's target that is not eligible here (not among the choices) is no home.
         let c = choices(&[0, 0, 0], &[2300.0, 2000.0, 0.0]);
