@@ -17,7 +17,8 @@
 //! Owns the UDP socket, the outbox the request path hands notes to, and applying received
 //! notes. Must not decide placement. The request path never waits on it: a note is encoded
 //! and offered to a bounded queue (a full queue drops it, counted); one task sends the
-//! queued notes, as many as fit a datagram at once, to every peer, and one receives. A
+//! queued notes every few milliseconds, as many to a datagram as fit, to every peer, and
+//! one receives. A
 //! datagram is accepted only from an address in `[peering] peers` (each gateway sends from
 //! its `listen` address). Notes are hints: a lost one costs a cache miss, never an answer.
 
@@ -36,6 +37,9 @@ use tokio::sync::mpsc;
 
 /// Notes waiting to be sent; past it, new ones are dropped.
 pub const QUEUE_NOTES: usize = 4096;
+/// How often queued notes are sent: a turn's next turn comes an answer and a user's pause
+/// later, far beyond this.
+pub const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Where the request path hands its notes; open once the peering service has its socket.
 #[derive(Debug, Default)]
@@ -101,41 +105,59 @@ impl BackgroundService for PeeringService {
     }
 }
 
-/// Send queued notes to every peer, as many to a datagram as fit.
+/// Send the queued notes every [`FLUSH_EVERY`], as many to a datagram as fit. On a timer
+/// rather than on each note: a task woken per note costs the request path a cross-thread
+/// wake-up and the peer a datagram per turn.
 async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Receiver<Vec<u8>>) {
+    let mut tick = tokio::time::interval(FLUSH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut datagram = Vec::with_capacity(wire::MAX_DATAGRAM);
-    let mut carried = None;
+    let mut carried: Option<Vec<u8>> = None;
     loop {
-        let first = match carried.take() {
-            Some(note) => note,
-            None => match outbox.recv().await {
-                Some(note) => note,
-                None => return,
-            },
-        };
-        datagram.clear();
-        datagram.extend_from_slice(wire::MAGIC);
-        datagram.extend_from_slice(&first);
-        let mut notes = 1;
-        while let Ok(note) = outbox.try_recv() {
-            if datagram.len() + note.len() > wire::MAX_DATAGRAM {
-                carried = Some(note);
+        tick.tick().await;
+        loop {
+            datagram.clear();
+            datagram.extend_from_slice(wire::MAGIC);
+            let mut notes = 0;
+            if let Some(note) = carried.take() {
+                datagram.extend_from_slice(&note);
+                notes += 1;
+            }
+            loop {
+                match outbox.try_recv() {
+                    Ok(note) if datagram.len() + note.len() > wire::MAX_DATAGRAM => {
+                        carried = Some(note);
+                        break;
+                    }
+                    Ok(note) => {
+                        datagram.extend_from_slice(&note);
+                        notes += 1;
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) if notes == 0 => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            }
+            if notes == 0 {
                 break;
             }
-            datagram.extend_from_slice(&note);
-            notes += 1;
+            send(runtime, socket, &datagram, notes).await;
         }
-        let peers = runtime.table().peering.peers.clone();
-        for peer in peers.iter() {
-            let event = match socket.send_to(&datagram, peer).await {
-                Ok(_) => "sent",
-                Err(e) => {
-                    log::debug!("peering: sending to {peer}: {e}");
-                    "send_failed"
-                }
-            };
-            METRICS.peer_notes.with_label_values(&[event]).inc_by(notes);
-        }
+    }
+}
+
+/// One datagram of `notes` notes to every peer.
+async fn send(runtime: &Runtime, socket: &UdpSocket, datagram: &[u8], notes: u64) {
+    let peers = runtime.table().peering.peers.clone();
+    for peer in peers.iter() {
+        let event = match socket.send_to(datagram, peer).await {
+            Ok(_) => "sent",
+            Err(e) => {
+                log::debug!("peering: sending to {peer}: {e}");
+                "send_failed"
+            }
+        };
+        METRICS.peer_notes.with_label_values(&[event]).inc_by(notes);
     }
 }
 
