@@ -85,9 +85,11 @@ pub struct Metrics {
     /// Addresses (targets per route) a DNS-discovered provider has now.
     pub discovered_addresses: IntGaugeVec,
     /// Peering notes (`[peering]`) by event: sent (per peer), received, dropped (queue
-    /// full), refused (not from a peer, or malformed), ignored, send_failed,
-    /// unsendable (a name too long for the wire).
+    /// full, or peering stopped), refused (per datagram: not from a peer, or malformed),
+    /// ignored, send_failed, unsendable (a name too long for the wire).
     pub peer_notes: IntCounterVec,
+    /// 1 while the peering socket is bound (`[peering] listen`), else 0.
+    pub peering_listening: IntGauge,
 }
 
 /// `rolter_upstream_connections_total{reused="false"}` and `{reused="true"}`, indexed by
@@ -400,6 +402,11 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["event"]
     )
     .expect("register rolter_peer_notes_total"),
+    peering_listening: register_int_gauge!(
+        "rolter_peering_listening",
+        "1 while the [peering] socket is bound, else 0 (off, or its address still taken)"
+    )
+    .expect("register rolter_peering_listening"),
 }
 });
 

@@ -561,7 +561,7 @@ fn placement_keys_are_defaulted_and_bounded() {
 #[test]
 fn peering_takes_ip_port_literals_allowed_by_egress() {
     let c = parse(
-        &format!("{GOOD}\n[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.1:7101\", \"[::1]:7102\"]\n"),
+        &format!("{GOOD}\n[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.2:7100\", \"127.0.0.1:7102\"]\n"),
         "p.toml",
     )
     .expect("valid");
@@ -601,8 +601,17 @@ fn peering_takes_ip_port_literals_allowed_by_egress() {
             "peering.peers[2]: duplicate peer 127.0.0.1:7101",
         ]
     );
+    assert_eq!(
+        problems(
+            "[peering]\nlisten = \"0.0.0.0:7100\"\npeers = [\"10.0.0.12:7100\", \"[fd00::12]:7100\"]\n"
+        ),
+        [
+            "peering.listen: 0.0.0.0:7100 is not a specific address (peers accept notes only from the address they list for this gateway)",
+            "peering.peers[1]: [fd00::12]:7100 cannot be reached from listen's address family",
+        ]
+    );
     let denied =
-        problems("[peering]\nlisten = \"0.0.0.0:7100\"\npeers = [\"169.254.169.254:7100\"]\n");
+        problems("[peering]\nlisten = \"10.0.0.11:7100\"\npeers = [\"169.254.169.254:7100\"]\n");
     assert_eq!(denied.len(), 1, "{denied:?}");
     assert!(
         denied[0].starts_with("peering.peers[0]: address 169.254.169.254 is denied by egress rule"),

@@ -323,6 +323,13 @@ fn peering_problems(p: &super::PeeringConfig, policy: &EgressPolicy) -> Vec<Stri
         .listen
         .as_deref()
         .and_then(|l| parse("peering.listen".into(), l, &mut out));
+    if let Some(l) = listen.filter(|l| l.ip().is_unspecified()) {
+        // A wildcard socket sends from whichever address the route out picks, which the
+        // peers may not list (they accept notes only from the addresses they list).
+        out.push(format!(
+            "peering.listen: {l} is not a specific address (peers accept notes only from the address they list for this gateway)"
+        ));
+    }
     match (&p.listen, p.peers.len()) {
         (Some(_), 0) => out.push("peering.peers: must name at least one peer".into()),
         (None, n) if n > 0 => out.push("peering.listen: must be set when peers are".into()),
@@ -339,6 +346,10 @@ fn peering_problems(p: &super::PeeringConfig, policy: &EgressPolicy) -> Vec<Stri
         };
         if Some(addr) == listen {
             out.push(format!("{key}: is this gateway's own listen address"));
+        } else if listen.is_some_and(|l| l.is_ipv4() != addr.ip().to_canonical().is_ipv4()) {
+            out.push(format!(
+                "{key}: {addr} cannot be reached from listen's address family"
+            ));
         } else if !seen.insert(addr) {
             out.push(format!("{key}: duplicate peer {addr}"));
         } else if let Err(e) = policy.check_addr(addr.ip()) {

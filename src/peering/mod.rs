@@ -8,19 +8,20 @@
 //! the turn as new work, by its own load and counts, and where the conversation's group
 //! lives on two replicas the turn lands on the other one about half the time
 //! (docs/routing.md, "Two gateways"). A note per placed turn (route, target, the
-//! conversation's key, whether it was new work: `wire`) fixes that at the cost of one small
-//! datagram per turn and peer: the receiving gateway remembers the target in the route's
-//! session table, marked as a peer's (the placement rule keeps the conversation there as
-//! if its views held the history), and counts new work in the target's recent count, so
-//! `share_bound` sees what every gateway placed.
+//! conversation's key, whether it was new work: `wire`; about 40 bytes, batched into
+//! datagrams every few milliseconds) fixes that: the receiving gateway remembers the target
+//! in the route's session table, marked as a peer's (the placement rule keeps the
+//! conversation there while its view of the target holds the conversation's group), and
+//! counts new work in the target's recent count, so `share_bound` sees what every gateway
+//! placed.
 //!
 //! Owns the UDP socket, the outbox the request path hands notes to, and applying received
 //! notes. Must not decide placement. The request path never waits on it: a note is encoded
 //! and offered to a bounded queue (a full queue drops it, counted); one task sends the
 //! queued notes every few milliseconds, as many to a datagram as fit, to every peer, and
-//! one receives. A
-//! datagram is accepted only from an address in `[peering] peers` (each gateway sends from
-//! its `listen` address). Notes are hints: a lost one costs a cache miss, never an answer.
+//! one receives. A datagram is accepted only from an address in `[peering] peers` (each
+//! gateway sends from its `listen` address, a specific one). Notes are hints: a lost one
+//! costs a cache miss, never an answer.
 
 pub mod wire;
 
@@ -80,28 +81,43 @@ impl Outbox {
 /// sends the notes handed to the outbox (the proxy's) and applies the peers'.
 pub struct PeeringService(pub Arc<Runtime>, pub Arc<Outbox>);
 
+/// Wait between tries to bind `listen` while it is taken (e.g. by the process a `-u`
+/// upgrade replaces, until that one exits).
+const BIND_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[async_trait]
 impl BackgroundService for PeeringService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let Some(listen) = self.0.table().peering.listen else {
             return;
         };
-        let socket = match UdpSocket::bind(listen).await {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                log::error!("peering: cannot listen on {listen}: {e}; peering is off");
-                return;
+        let mut warned = false;
+        let socket = loop {
+            match UdpSocket::bind(listen).await {
+                Ok(s) => break s,
+                Err(e) => {
+                    if !warned {
+                        log::warn!("peering: cannot listen on {listen} yet ({e}); retrying every {BIND_RETRY:?}");
+                        warned = true;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(BIND_RETRY) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                }
             }
         };
         let Some(outbox) = self.1.open() else {
             return;
         };
+        METRICS.peering_listening.set(1);
         log::info!("peering: listening on {listen}");
         tokio::select! {
             _ = send_notes(&self.0, &socket, outbox) => {}
             _ = receive_notes(&self.0, &socket) => {}
             _ = shutdown.changed() => {}
         }
+        METRICS.peering_listening.set(0);
     }
 }
 
@@ -111,37 +127,68 @@ impl BackgroundService for PeeringService {
 async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Receiver<Vec<u8>>) {
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut datagram = Vec::with_capacity(wire::MAX_DATAGRAM);
-    let mut carried: Option<Vec<u8>> = None;
+    let mut packer = Packer::default();
     loop {
         tick.tick().await;
         loop {
-            datagram.clear();
-            datagram.extend_from_slice(wire::MAGIC);
-            let mut notes = 0;
-            if let Some(note) = carried.take() {
-                datagram.extend_from_slice(&note);
-                notes += 1;
+            match packer.next(&mut outbox) {
+                Packed::Datagram(notes) => send(runtime, socket, &packer.datagram, notes).await,
+                Packed::Empty => break,
+                Packed::Closed => return,
             }
-            loop {
-                match outbox.try_recv() {
-                    Ok(note) if datagram.len() + note.len() > wire::MAX_DATAGRAM => {
-                        carried = Some(note);
-                        break;
-                    }
-                    Ok(note) => {
-                        datagram.extend_from_slice(&note);
-                        notes += 1;
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) if notes == 0 => return,
-                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+        }
+    }
+}
+
+/// What [`Packer::next`] made of the queue.
+#[derive(Debug, PartialEq, Eq)]
+enum Packed {
+    /// `Packer::datagram` holds this many notes.
+    Datagram(u64),
+    /// Nothing queued.
+    Empty,
+    /// Nothing queued and nothing will be (the outbox is gone).
+    Closed,
+}
+
+/// Packs queued notes into datagrams of at most [`wire::MAX_DATAGRAM`] bytes, in order: a
+/// note that does not fit waits for the next datagram.
+#[derive(Default)]
+struct Packer {
+    datagram: Vec<u8>,
+    carried: Option<Vec<u8>>,
+}
+
+impl Packer {
+    fn next(&mut self, outbox: &mut mpsc::Receiver<Vec<u8>>) -> Packed {
+        self.datagram.clear();
+        self.datagram.extend_from_slice(wire::MAGIC);
+        let mut notes = 0;
+        if let Some(note) = self.carried.take() {
+            self.datagram.extend_from_slice(&note);
+            notes += 1;
+        }
+        loop {
+            match outbox.try_recv() {
+                Ok(note) if self.datagram.len() + note.len() > wire::MAX_DATAGRAM => {
+                    self.carried = Some(note);
+                    break;
                 }
+                Ok(note) => {
+                    self.datagram.extend_from_slice(&note);
+                    notes += 1;
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) if notes == 0 => {
+                    return Packed::Closed
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
             }
-            if notes == 0 {
-                break;
-            }
-            send(runtime, socket, &datagram, notes).await;
+        }
+        if notes == 0 {
+            Packed::Empty
+        } else {
+            Packed::Datagram(notes)
         }
     }
 }
@@ -237,6 +284,32 @@ mod tests {
         assert!(s.accepts("[::1]:7102".parse().unwrap()));
         assert!(!s.accepts("127.0.0.1:7102".parse().unwrap()));
         assert!(!s.accepts("127.0.0.2:7101".parse().unwrap()));
+    }
+
+    #[test]
+    fn queued_notes_leave_in_order_in_datagrams_that_fit() {
+        let outbox = Outbox::default();
+        let mut rx = outbox.open().unwrap();
+        let label = "provider-with-a-long-name/some-org/Model-70B-Instruct";
+        for i in 0..100 {
+            outbox.tell("chat", label, i, i % 3 == 0);
+        }
+        let mut packer = Packer::default();
+        let mut seen = Vec::new();
+        let mut datagrams = 0;
+        while let Packed::Datagram(n) = packer.next(&mut rx) {
+            assert!(packer.datagram.len() <= wire::MAX_DATAGRAM);
+            let notes = wire::decode(&packer.datagram).unwrap();
+            assert_eq!(notes.len() as u64, n);
+            seen.extend(notes.iter().map(|n| (n.conversation, n.new_work)));
+            datagrams += 1;
+        }
+        let sent: Vec<(u64, bool)> = (0..100).map(|i| (i, i % 3 == 0)).collect();
+        assert_eq!(seen, sent, "every note once, in order");
+        assert!(datagrams > 1 && datagrams < 10, "{datagrams} datagrams");
+        assert_eq!(packer.next(&mut rx), Packed::Empty);
+        drop(outbox);
+        assert_eq!(packer.next(&mut rx), Packed::Closed);
     }
 
     #[tokio::test]

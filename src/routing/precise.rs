@@ -170,7 +170,8 @@ impl Strategy for PreciseCacheAware {
             first_message_tokens,
             keys,
             previous: previous.map(|(i, _)| i),
-            previous_from_peer: previous.is_some_and(|(_, peer)| peer),
+            // Residency comes from the replica's own events; peers' notes are cache_aware's.
+            previous_from_peer: false,
             group_home: None,
         };
         let placed = self.rule.place(&ask, &choices)?;

@@ -138,7 +138,23 @@ impl Runtime {
     /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
     pub fn reload(&self) -> Result<(), LoadError> {
         let mut live = self.config.lock();
-        let (config, table) = match Self::read_table(&self.routes_path, &self.registry, &self.ctx) {
+        let built = Self::read_table(&self.routes_path, &self.registry, &self.ctx).and_then(
+            |(config, table)| {
+                if config.peering.listen == live.peering.listen {
+                    return Ok((config, table));
+                }
+                // The socket is bound at start; peers would list an address this gateway
+                // no longer sends from.
+                Err(LoadError::Config(ConfigError::Invalid {
+                    path: self.routes_path.display().to_string(),
+                    problems: vec![format!(
+                        "peering.listen: changed from {:?} to {:?}; it takes effect only at a restart",
+                        live.peering.listen, config.peering.listen
+                    )],
+                }))
+            },
+        );
+        let (config, table) = match built {
             Ok(built) => built,
             Err(e) => {
                 METRICS.reloads.with_label_values(&["failed"]).inc();
@@ -149,9 +165,6 @@ impl Runtime {
                 return Err(e);
             }
         };
-        if config.peering.listen != live.peering.listen {
-            log::warn!("reload: peering.listen changes take effect at the next start");
-        }
         *live = config;
         let (routes, targets, added, removed) = self.install(table);
         drop(live);

@@ -158,16 +158,25 @@ impl PeeringSettings {
     pub fn from_config(c: &crate::config::PeeringConfig) -> Self {
         PeeringSettings {
             listen: c.listen.as_deref().and_then(|l| l.parse().ok()),
-            peers: c.peers.iter().filter_map(|p| p.parse().ok()).collect(),
+            peers: c
+                .peers
+                .iter()
+                .filter_map(|p| p.parse::<std::net::SocketAddr>().ok())
+                .map(canonical)
+                .collect(),
         }
     }
 
     /// Whether a datagram from `from` is a peer's (an IPv4 sender seen through a
     /// dual-stack socket as IPv4-mapped counts as itself).
     pub fn accepts(&self, from: std::net::SocketAddr) -> bool {
-        let from = std::net::SocketAddr::new(from.ip().to_canonical(), from.port());
-        self.peers.contains(&from)
+        self.peers.contains(&canonical(from))
     }
+}
+
+/// `addr` with an IPv4-mapped IPv6 address as IPv4 (and no flow or scope id).
+fn canonical(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }
 
 impl RouteTable {

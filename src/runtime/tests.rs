@@ -529,3 +529,106 @@ fn a_reload_reuses_an_unchanged_tokenizer() {
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A peer's note lands in the route's session table marked as a peer's, and counts as new
+/// work on its target only when it was; notes for a route whose strategy does not use them,
+/// or for a target this gateway does not have, change nothing.
+#[test]
+fn a_peers_note_reaches_the_session_table_and_the_share_counts() {
+    let text = routes(&["a", "b"], "cache_aware", None)
+        + "[[routes]]\nmodel = \"rr\"\nstrategy = \"round_robin\"\n[[routes.targets]]\nprovider = \"a\"\nmodel = \"m\"\n";
+    let (dir, path) = routes_file("peer-note", &text);
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let table = rt.table();
+    let now_ms = crate::fleet::ms_at(std::time::Instant::now());
+    let note = |route, label, conversation, new_work| crate::peering::wire::Note {
+        route,
+        label,
+        conversation,
+        new_work,
+    };
+    assert!(crate::peering::apply(
+        &rt,
+        &table,
+        &note("alias", "b/m", 7, true),
+        now_ms
+    ));
+    assert!(crate::peering::apply(
+        &rt,
+        &table,
+        &note("alias", "b/m", 8, false),
+        now_ms
+    ));
+    assert!(!crate::peering::apply(
+        &rt,
+        &table,
+        &note("alias", "zz/m", 9, true),
+        now_ms
+    ));
+    assert!(!crate::peering::apply(
+        &rt,
+        &table,
+        &note("rr", "a/m", 10, true),
+        now_ms
+    ));
+    assert!(!crate::peering::apply(
+        &rt,
+        &table,
+        &note("nope", "a/m", 11, true),
+        now_ms
+    ));
+    let sessions = rt.registry().sessions_of("alias").unwrap();
+    assert_eq!(
+        sessions.conversation_entry(7, now_ms),
+        Some((Arc::from("b/m"), true))
+    );
+    assert_eq!(
+        sessions.conversation_entry(8, now_ms),
+        Some((Arc::from("b/m"), true))
+    );
+    assert_eq!(
+        rt.registry()
+            .get_or_create(&key("b"))
+            .placed
+            .estimate(now_ms),
+        1.0
+    );
+    assert_eq!(
+        rt.registry()
+            .get_or_create(&key("a"))
+            .placed
+            .estimate(now_ms),
+        0.0
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The peering socket is bound at start: a reload that moves `listen` is refused (the
+/// peers list the address this gateway sends from), one that changes `peers` is applied.
+#[test]
+fn a_reload_refuses_to_move_the_peering_socket_and_applies_new_peers() {
+    let base = routes(&["a"], "cache_aware", None);
+    let peering = |listen: &str, peer: &str| {
+        format!("{base}\n[peering]\nlisten = \"{listen}\"\npeers = [\"{peer}\"]\n")
+    };
+    let (dir, path) = routes_file("peer-reload", &peering("127.0.0.1:7100", "127.0.0.2:7100"));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    std::fs::write(&path, peering("127.0.0.1:7100", "127.0.0.3:7100")).unwrap();
+    rt.reload().unwrap();
+    assert!(rt
+        .table()
+        .peering
+        .accepts("127.0.0.3:7100".parse().unwrap()));
+    assert!(!rt
+        .table()
+        .peering
+        .accepts("127.0.0.2:7100".parse().unwrap()));
+    std::fs::write(&path, peering("127.0.0.1:7200", "127.0.0.3:7100")).unwrap();
+    let err = rt.reload().unwrap_err().to_string();
+    assert!(err.contains("peering.listen: changed"), "{err}");
+    assert_eq!(
+        rt.table().peering.listen,
+        Some("127.0.0.1:7100".parse().unwrap())
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
