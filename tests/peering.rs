@@ -134,3 +134,23 @@ async fn a_turn_reaching_the_other_gateway_goes_where_its_peer_put_the_last_one(
     .await;
     assert!(refused, "a stranger's datagram was not refused");
 }
+
+/// The peering address still taken at start (the process a `-u` upgrade replaces has not
+/// exited yet): the gateway serves meanwhile and binds the address once it is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_peering_address_is_bound_once_it_is_free() {
+    let stub = Stub::start("a").await.unwrap();
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let gw = Gateway::start(&routes(&[stub.url()], &[0], &[], port, free_udp_port())).await;
+    const LISTENING: &str = "rolter_peering_listening";
+    assert_eq!(gw.metric(LISTENING).await, Some(0.0));
+    let (status, id, _) = post_chat(&gw, turn("alias", &system(0), 0, 0)).await;
+    assert_eq!((status, id.as_deref()), (200, Some("a")));
+    drop(taken);
+    let bound = eventually(Duration::from_secs(5), || async {
+        gw.metric(LISTENING).await == Some(1.0)
+    })
+    .await;
+    assert!(bound, "the freed address was never bound");
+}
