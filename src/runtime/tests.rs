@@ -632,3 +632,70 @@ fn a_reload_refuses_to_move_the_peering_socket_and_applies_new_peers() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Peers' in-flight reports add to a target's load as the strategies see it, summed over
+/// peers, each replaced by its next report and dropped once stale.
+#[test]
+fn peers_in_flight_reports_add_to_the_load_until_they_expire() {
+    use crate::peering::{wire::Load, PeerLoads, LOAD_EXPIRES_MS};
+    let (dir, path) = routes_file("peer-loads", &routes(&["a", "b"], "cache_aware", None));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    let table = rt.table();
+    let now = std::time::Instant::now();
+    let t0 = crate::fleet::ms_at(now);
+    let loads = |rt: &Runtime| -> Vec<u64> {
+        let table = rt.table();
+        let route = table.route("alias").unwrap();
+        route.candidates(now).iter().map(|c| c.inflight).collect()
+    };
+    let (p1, p2) = (
+        "127.0.0.2:7100".parse().unwrap(),
+        "127.0.0.3:7100".parse().unwrap(),
+    );
+    let mut peers = PeerLoads::default();
+    let _mine = rt.registry().get_or_create(&key("a")).start_request();
+    peers.note(
+        &table,
+        p1,
+        &Load {
+            label: "a/m",
+            inflight: 3,
+        },
+        t0,
+    );
+    peers.note(
+        &table,
+        p2,
+        &Load {
+            label: "a/m",
+            inflight: 2,
+        },
+        t0 + 100,
+    );
+    peers.note(
+        &table,
+        p1,
+        &Load {
+            label: "zz/m",
+            inflight: 9,
+        },
+        t0,
+    );
+    assert_eq!(loads(&rt), [1 + 3 + 2, 0]);
+    peers.note(
+        &table,
+        p1,
+        &Load {
+            label: "a/m",
+            inflight: 1,
+        },
+        t0 + 200,
+    );
+    assert_eq!(loads(&rt), [1 + 1 + 2, 0]);
+    // p2's report (at t0 + 100) is stale first.
+    peers.expire(&table, t0 + 100 + LOAD_EXPIRES_MS);
+    assert_eq!(loads(&rt), [1 + 1, 0]);
+    peers.expire(&table, t0 + 200 + LOAD_EXPIRES_MS);
+    assert_eq!(loads(&rt), [1, 0]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
