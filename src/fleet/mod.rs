@@ -154,8 +154,6 @@ pub struct TargetState {
     pub trie: PrefixTrie,
     /// New work placed here recently (the placement rule's `share_bound`).
     pub placed: recent::RecentCount,
-    /// Requests the peer gateways (`[peering]`) report in flight here, summed.
-    peer_inflight: AtomicU64,
 }
 
 impl TargetState {
@@ -175,7 +173,6 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
-            peer_inflight: AtomicU64::new(0),
         }
     }
 
@@ -203,16 +200,6 @@ impl TargetState {
     /// Requests in flight right now.
     pub fn inflight(&self) -> u64 {
         self.inflight.load(Ordering::Relaxed)
-    }
-
-    /// Requests the peer gateways last reported in flight here (0 without `[peering]`).
-    pub fn peer_inflight(&self) -> u64 {
-        self.peer_inflight.load(Ordering::Relaxed)
-    }
-
-    /// Set what the peer gateways report in flight here (`peering`).
-    pub fn set_peer_inflight(&self, n: u64) {
-        self.peer_inflight.store(n, Ordering::Relaxed);
     }
 
     /// Whether the target may be chosen at `now_ms`: its provider passes health

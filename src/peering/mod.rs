@@ -31,7 +31,6 @@ use crate::runtime::{RouteTable, Runtime};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio::net::UdpSocket;
@@ -122,17 +121,15 @@ impl BackgroundService for PeeringService {
     }
 }
 
-/// Send the queued notes and this gateway's loads every [`FLUSH_EVERY`], as many to a
-/// datagram as fit. On a timer rather than on each note: a task woken per note costs the
-/// request path a cross-thread wake-up and the peer a datagram per turn.
+/// Send the queued notes every [`FLUSH_EVERY`], as many to a datagram as fit. On a timer
+/// rather than on each note: a task woken per note costs the request path a cross-thread
+/// wake-up and the peer a datagram per turn.
 async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Receiver<Vec<u8>>) {
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut packer = Packer::default();
-    let mut reported = LoadReports::default();
     loop {
         tick.tick().await;
-        reported.queue_changes(&runtime.table(), ms_at(Instant::now()), &mut packer);
         loop {
             match packer.next(&mut outbox) {
                 Packed::Datagram(notes) => send(runtime, socket, &packer.datagram, notes).await,
@@ -143,46 +140,10 @@ async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Rec
     }
 }
 
-/// A load not reported for this long is sent again even if unchanged, so a peer can drop
-/// a silent gateway's loads after [`LOAD_EXPIRES_MS`].
-const LOAD_REFRESH_MS: u64 = 100;
-/// A peer's load report older than this no longer counts (the peer stopped, or its reports
-/// are lost).
-pub const LOAD_EXPIRES_MS: u64 = 500;
-
-/// What this gateway last told its peers of its in-flight counts.
-#[derive(Default)]
-struct LoadReports {
-    last: HashMap<String, (u64, u64)>,
-}
-
-impl LoadReports {
-    /// Queue in `packer` the in-flight count of each target of a route that hears peers,
-    /// when it changed or was last reported [`LOAD_REFRESH_MS`] ago.
-    fn queue_changes(&mut self, table: &RouteTable, now_ms: u64, packer: &mut Packer) {
-        for route in table.routes_by_alias().filter(|r| r.strategy.hears_peers()) {
-            for t in &route.targets {
-                let (label, inflight) = (t.state.label(), t.state.inflight());
-                let due = match self.last.get(label) {
-                    Some(&(sent, at)) => sent != inflight || now_ms >= at + LOAD_REFRESH_MS,
-                    None => true,
-                };
-                if !due {
-                    continue;
-                }
-                if let Ok(bytes) = wire::encode_load(&wire::Load { label, inflight }) {
-                    packer.loads.push_back(bytes);
-                    self.last.insert(label.to_string(), (inflight, now_ms));
-                }
-            }
-        }
-    }
-}
-
 /// What [`Packer::next`] made of the queue.
 #[derive(Debug, PartialEq, Eq)]
 enum Packed {
-    /// `Packer::datagram` holds records, this many of them placed turns.
+    /// `Packer::datagram` holds this many notes.
     Datagram(u64),
     /// Nothing queued.
     Empty,
@@ -190,50 +151,44 @@ enum Packed {
     Closed,
 }
 
-/// Packs queued records (the loads first, then the outbox's notes) into datagrams of at
-/// most [`wire::MAX_DATAGRAM`] bytes, in order: a record that does not fit waits for the
-/// next datagram.
+/// Packs queued notes into datagrams of at most [`wire::MAX_DATAGRAM`] bytes, in order: a
+/// note that does not fit waits for the next datagram.
 #[derive(Default)]
 struct Packer {
     datagram: Vec<u8>,
-    /// A record that did not fit the last datagram, and whether it is a note.
-    carried: Option<(Vec<u8>, bool)>,
-    loads: VecDeque<Vec<u8>>,
+    carried: Option<Vec<u8>>,
 }
 
 impl Packer {
     fn next(&mut self, outbox: &mut mpsc::Receiver<Vec<u8>>) -> Packed {
         self.datagram.clear();
         self.datagram.extend_from_slice(wire::MAGIC);
-        let (mut records, mut notes) = (0, 0);
-        let mut closed = false;
-        loop {
-            let (bytes, is_note) = if let Some(c) = self.carried.take() {
-                c
-            } else if let Some(load) = self.loads.pop_front() {
-                (load, false)
-            } else {
-                match outbox.try_recv() {
-                    Ok(note) => (note, true),
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        closed = true;
-                        break;
-                    }
-                }
-            };
-            if self.datagram.len() + bytes.len() > wire::MAX_DATAGRAM {
-                self.carried = Some((bytes, is_note));
-                break;
-            }
-            self.datagram.extend_from_slice(&bytes);
-            records += 1;
-            notes += u64::from(is_note);
+        let mut notes = 0;
+        if let Some(note) = self.carried.take() {
+            self.datagram.extend_from_slice(&note);
+            notes += 1;
         }
-        match (records, closed) {
-            (0, true) => Packed::Closed,
-            (0, false) => Packed::Empty,
-            _ => Packed::Datagram(notes),
+        loop {
+            match outbox.try_recv() {
+                Ok(note) if self.datagram.len() + note.len() > wire::MAX_DATAGRAM => {
+                    self.carried = Some(note);
+                    break;
+                }
+                Ok(note) => {
+                    self.datagram.extend_from_slice(&note);
+                    notes += 1;
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) if notes == 0 => {
+                    return Packed::Closed
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
+            }
+        }
+        if notes == 0 {
+            Packed::Empty
+        } else {
+            Packed::Datagram(notes)
         }
     }
 }
@@ -253,21 +208,12 @@ async fn send(runtime: &Runtime, socket: &UdpSocket, datagram: &[u8], notes: u64
     }
 }
 
-/// Apply every accepted datagram's records.
+/// Apply every accepted datagram's notes.
 async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
     // One byte over the limit: a longer datagram is cut there and refused as too long.
     let mut buf = vec![0u8; wire::MAX_DATAGRAM + 1];
-    let mut loads = PeerLoads::default();
-    let mut sweep = tokio::time::interval(std::time::Duration::from_millis(LOAD_REFRESH_MS));
     loop {
-        let received = tokio::select! {
-            r = socket.recv_from(&mut buf) => r,
-            _ = sweep.tick() => {
-                loads.expire(&runtime.table(), ms_at(Instant::now()));
-                continue;
-            }
-        };
-        let (len, from) = match received {
+        let (len, from) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
             Err(e) => {
                 // ICMP errors of an earlier send surface here on some systems: not fatal.
@@ -281,20 +227,15 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             continue;
         }
         match wire::decode(&buf[..len]) {
-            Ok(records) => {
+            Ok(notes) => {
                 let now_ms = ms_at(Instant::now());
-                for record in &records {
-                    match record {
-                        wire::Record::Placed(note) => {
-                            let event = if apply(runtime, &table, note, now_ms) {
-                                "received"
-                            } else {
-                                "ignored"
-                            };
-                            METRICS.peer_notes.with_label_values(&[event]).inc();
-                        }
-                        wire::Record::Load(load) => loads.note(&table, from, load, now_ms),
-                    }
+                for note in &notes {
+                    let event = if apply(runtime, &table, note, now_ms) {
+                        "received"
+                    } else {
+                        "ignored"
+                    };
+                    METRICS.peer_notes.with_label_values(&[event]).inc();
                 }
             }
             Err(e) => {
@@ -303,67 +244,6 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             }
         }
     }
-}
-
-/// The peers' latest in-flight counts per target label, summed into each target's
-/// `TargetState::peer_inflight` (what the strategies see as the target's load, with this
-/// gateway's own).
-#[derive(Default)]
-pub struct PeerLoads {
-    by_peer: HashMap<(std::net::SocketAddr, String), (u64, u64)>,
-}
-
-impl PeerLoads {
-    /// `from`'s report of `load` at `now_ms`.
-    pub fn note(
-        &mut self,
-        table: &RouteTable,
-        from: std::net::SocketAddr,
-        load: &wire::Load,
-        now_ms: u64,
-    ) {
-        let Some(target) = target_named(table, load.label) else {
-            return;
-        };
-        self.by_peer
-            .insert((from, load.label.to_string()), (load.inflight, now_ms));
-        target.set_peer_inflight(self.sum(load.label));
-    }
-
-    /// Drop reports older than [`LOAD_EXPIRES_MS`].
-    pub fn expire(&mut self, table: &RouteTable, now_ms: u64) {
-        let mut stale = Vec::new();
-        self.by_peer.retain(|(_, label), &mut (_, at)| {
-            let keep = now_ms < at + LOAD_EXPIRES_MS;
-            if !keep {
-                stale.push(label.clone());
-            }
-            keep
-        });
-        for label in stale {
-            if let Some(target) = target_named(table, &label) {
-                target.set_peer_inflight(self.sum(&label));
-            }
-        }
-    }
-
-    fn sum(&self, label: &str) -> u64 {
-        self.by_peer
-            .iter()
-            .filter(|((_, l), _)| l == label)
-            .map(|(_, &(n, _))| n)
-            .sum()
-    }
-}
-
-/// The state of the target labelled `label` in a route that hears peers.
-fn target_named<'t>(table: &'t RouteTable, label: &str) -> Option<&'t crate::fleet::TargetState> {
-    table
-        .routes_by_alias()
-        .filter(|r| r.strategy.hears_peers())
-        .flat_map(|r| r.targets.iter())
-        .find(|t| t.state.label() == label)
-        .map(|t| &*t.state)
 }
 
 /// Apply one note; false when this gateway has no such route (or its strategy does not use
@@ -419,12 +299,9 @@ mod tests {
         let mut datagrams = 0;
         while let Packed::Datagram(n) = packer.next(&mut rx) {
             assert!(packer.datagram.len() <= wire::MAX_DATAGRAM);
-            let records = wire::decode(&packer.datagram).unwrap();
-            assert_eq!(records.len() as u64, n);
-            seen.extend(records.iter().map(|r| match r {
-                wire::Record::Placed(n) => (n.conversation, n.new_work),
-                other => panic!("{other:?}"),
-            }));
+            let notes = wire::decode(&packer.datagram).unwrap();
+            assert_eq!(notes.len() as u64, n);
+            seen.extend(notes.iter().map(|n| (n.conversation, n.new_work)));
             datagrams += 1;
         }
         let sent: Vec<(u64, bool)> = (0..100).map(|i| (i, i % 3 == 0)).collect();
@@ -448,8 +325,8 @@ mod tests {
         let first = rx.recv().await.unwrap();
         let mut d = wire::MAGIC.to_vec();
         d.extend(first);
-        let records = wire::decode(&d).unwrap();
-        assert!(matches!(records[0], wire::Record::Placed(n) if n.conversation == 0));
+        let notes = wire::decode(&d).unwrap();
+        assert_eq!(notes[0].conversation, 0);
         let mut queued = 1;
         while rx.try_recv().is_ok() {
             queued += 1;

@@ -1,12 +1,10 @@
 //! The peering datagram: notes a gateway sends its peers about the turns it placed.
 //!
-//! A datagram is [`MAGIC`] followed by records of one layout: the route alias and the target
-//! label (one length byte, then UTF-8), a 64-bit value (little-endian) and a flags byte. A
-//! placed turn ([`Note`]) carries the conversation key (`PlacementKeys::conversation`: the
-//! same on every gateway for the same first two messages or `x-session-id`), flag bit 0 if
-//! it was new work; a load report ([`Load`], flag bit 1, no route) carries the sender's
-//! requests in flight on the target. At most [`MAX_DATAGRAM`] bytes, so it fits one
-//! Ethernet frame unfragmented.
+//! A datagram is [`MAGIC`] followed by notes, each: the route alias and the target label
+//! (one length byte, then UTF-8), the conversation key (`PlacementKeys::conversation`, 8
+//! bytes little-endian: the same on every gateway for the same first two messages or
+//! `x-session-id`) and a flags byte (bit 0: the turn was new work). At most
+//! [`MAX_DATAGRAM`] bytes, so it fits one Ethernet frame unfragmented.
 //!
 //! Owns the encoding and its checks. Must not touch sockets or routing state.
 
@@ -20,7 +18,6 @@ pub const MAX_DATAGRAM: usize = 1400;
 pub const MAX_NAME: usize = u8::MAX as usize;
 
 const NEW_WORK: u8 = 1;
-const LOAD: u8 = 2;
 
 /// One placed turn, as a peer hears of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,22 +30,6 @@ pub struct Note<'a> {
     pub conversation: u64,
     /// Placed as new work (the placement rule's share counts it).
     pub new_work: bool,
-}
-
-/// The sender's requests in flight on one target, as of its last flush.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Load<'a> {
-    /// The target's label.
-    pub label: &'a str,
-    /// Requests the sender has in flight there.
-    pub inflight: u64,
-}
-
-/// One record of a datagram.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Record<'a> {
-    Placed(Note<'a>),
-    Load(Load<'a>),
 }
 
 /// Why a note or a datagram was refused.
@@ -70,29 +51,19 @@ pub enum WireError {
 
 /// `note` encoded (without the datagram's magic).
 pub fn encode(note: &Note) -> Result<Vec<u8>, WireError> {
-    let flags = if note.new_work { NEW_WORK } else { 0 };
-    record(note.route, note.label, note.conversation, flags)
-}
-
-/// `load` encoded (without the datagram's magic).
-pub fn encode_load(load: &Load) -> Result<Vec<u8>, WireError> {
-    record("", load.label, load.inflight, LOAD)
-}
-
-fn record(route: &str, label: &str, value: u64, flags: u8) -> Result<Vec<u8>, WireError> {
-    let mut out = Vec::with_capacity(route.len() + label.len() + 11);
-    for name in [route, label] {
+    let mut out = Vec::with_capacity(note.route.len() + note.label.len() + 11);
+    for name in [note.route, note.label] {
         let len = u8::try_from(name.len()).map_err(|_| WireError::NameTooLong(name.len()))?;
         out.push(len);
         out.extend_from_slice(name.as_bytes());
     }
-    out.extend_from_slice(&value.to_le_bytes());
-    out.push(flags);
+    out.extend_from_slice(&note.conversation.to_le_bytes());
+    out.push(if note.new_work { NEW_WORK } else { 0 });
     Ok(out)
 }
 
-/// The records of `datagram`, all or none: a datagram with one bad record is refused whole.
-pub fn decode(datagram: &[u8]) -> Result<Vec<Record<'_>>, WireError> {
+/// The notes of `datagram`, all or none: a datagram with one bad note is refused whole.
+pub fn decode(datagram: &[u8]) -> Result<Vec<Note<'_>>, WireError> {
     if datagram.len() > MAX_DATAGRAM {
         return Err(WireError::TooLong(datagram.len()));
     }
@@ -101,22 +72,17 @@ pub fn decode(datagram: &[u8]) -> Result<Vec<Record<'_>>, WireError> {
     while !rest.is_empty() {
         let route = name(&mut rest)?;
         let label = name(&mut rest)?;
-        let (value, tail) = rest.split_first_chunk::<8>().ok_or(WireError::Truncated)?;
+        let (key, tail) = rest.split_first_chunk::<8>().ok_or(WireError::Truncated)?;
         let (&flags, tail) = tail.split_first().ok_or(WireError::Truncated)?;
+        if flags & !NEW_WORK != 0 {
+            return Err(WireError::Flags(flags));
+        }
         rest = tail;
-        let value = u64::from_le_bytes(*value);
-        notes.push(match flags {
-            0 | NEW_WORK => Record::Placed(Note {
-                route,
-                label,
-                conversation: value,
-                new_work: flags == NEW_WORK,
-            }),
-            LOAD if route.is_empty() => Record::Load(Load {
-                label,
-                inflight: value,
-            }),
-            _ => return Err(WireError::Flags(flags)),
+        notes.push(Note {
+            route,
+            label,
+            conversation: u64::from_le_bytes(*key),
+            new_work: flags & NEW_WORK != 0,
         });
     }
     Ok(notes)
@@ -161,16 +127,8 @@ mod tests {
                 new_work: false,
             },
         ];
-        let placed: Vec<Record> = notes.iter().map(|&n| Record::Placed(n)).collect();
-        assert_eq!(decode(&datagram(&notes)).unwrap(), placed);
+        assert_eq!(decode(&datagram(&notes)).unwrap(), notes);
         assert_eq!(decode(MAGIC).unwrap(), vec![]);
-        let load = Load {
-            label: "vllm-1/llama",
-            inflight: 17,
-        };
-        let mut d = datagram(&notes[..1]);
-        d.extend(encode_load(&load).unwrap());
-        assert_eq!(decode(&d).unwrap(), vec![placed[0], Record::Load(load)]);
     }
 
     #[test]
@@ -187,9 +145,6 @@ mod tests {
         let mut flags = good.clone();
         *flags.last_mut().unwrap() = 0x80;
         assert_eq!(decode(&flags), Err(WireError::Flags(0x80)));
-        // A load report names no route.
-        *flags.last_mut().unwrap() = LOAD;
-        assert_eq!(decode(&flags), Err(WireError::Flags(LOAD)));
         let mut utf8 = good.clone();
         utf8[5] = 0xff;
         assert_eq!(decode(&utf8), Err(WireError::NotUtf8));
@@ -219,7 +174,7 @@ mod tests {
                                 conversation: u64, new_work: bool) {
             let note = Note { route: &route, label: &label, conversation, new_work };
             let d = datagram(&[note]);
-            prop_assert_eq!(decode(&d).unwrap(), vec![Record::Placed(note)]);
+            prop_assert_eq!(decode(&d).unwrap(), vec![note]);
         }
     }
 }

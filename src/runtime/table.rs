@@ -101,9 +101,7 @@ impl Route {
         self.targets
             .iter()
             .map(|t| Candidate {
-                // With `[peering]`, the other gateways' requests too: the replica's queue is
-                // the whole fleet's.
-                inflight: t.state.inflight() + t.state.peer_inflight(),
+                inflight: t.state.inflight(),
                 eligible: t.state.eligible(now_ms),
                 weight: t.weight,
                 prefix: Some(&t.state.trie),
