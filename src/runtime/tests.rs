@@ -541,42 +541,23 @@ fn a_peers_note_reaches_the_session_table_and_the_share_counts() {
     let rt = Runtime::load_with(&path, static_ctx()).unwrap();
     let table = rt.table();
     let now_ms = crate::fleet::ms_at(std::time::Instant::now());
-    let note = |route, label, conversation, new_work| crate::peering::wire::Note {
-        route,
-        label,
-        conversation,
-        new_work,
+    let apply = |route, label, conversation, new_work| {
+        let note = crate::peering::wire::Note {
+            route,
+            label,
+            conversation,
+            new_work,
+        };
+        crate::peering::apply(&rt, &table, &note, now_ms)
     };
-    assert!(crate::peering::apply(
-        &rt,
-        &table,
-        &note("alias", "b/m", 7, true),
-        now_ms
-    ));
-    assert!(crate::peering::apply(
-        &rt,
-        &table,
-        &note("alias", "b/m", 8, false),
-        now_ms
-    ));
-    assert!(!crate::peering::apply(
-        &rt,
-        &table,
-        &note("alias", "zz/m", 9, true),
-        now_ms
-    ));
-    assert!(!crate::peering::apply(
-        &rt,
-        &table,
-        &note("rr", "a/m", 10, true),
-        now_ms
-    ));
-    assert!(!crate::peering::apply(
-        &rt,
-        &table,
-        &note("nope", "a/m", 11, true),
-        now_ms
-    ));
+    assert!(apply("alias", "b/m", 7, true));
+    assert!(apply("alias", "b/m", 8, false));
+    assert!(!apply("alias", "zz/m", 9, true), "an unknown target");
+    assert!(
+        !apply("rr", "a/m", 10, true),
+        "a strategy that does not use notes"
+    );
+    assert!(!apply("nope", "a/m", 11, true), "an unknown route");
     let sessions = rt.registry().sessions_of("alias").unwrap();
     assert_eq!(
         sessions.conversation_entry(7, now_ms),
