@@ -307,7 +307,9 @@ fn retry_problems(r: &super::RetryConfig) -> Vec<String> {
 }
 
 /// Problems of `[peering]`: addresses are `ip:port` literals (a name could later resolve
-/// past the egress policy), each peer allowed by `[egress]`, none of them `listen` itself.
+/// past the egress policy); `listen` a specific address (peers accept notes only from the
+/// address they list); each peer of its address family, allowed by `[egress]`, not
+/// `listen` itself.
 fn peering_problems(p: &super::PeeringConfig, policy: &EgressPolicy) -> Vec<String> {
     let mut out = Vec::new();
     let parse = |key: String, text: &str, out: &mut Vec<String>| match text

@@ -265,12 +265,11 @@ impl PlacementRule {
                 .map(counted)
                 .fold(0.0, f64::max)
         };
-        // Where a peer placed the conversation's last turn: this gateway's views show none
-        // of the history the peer's turns left there.
-        // Only while this gateway's view of that target still holds part of the prompt (the
-        // group's prefix): the views forget what a replica has likely evicted, and a
-        // conversation the peer moved onto a replica caching another group loses its
-        // history there about as soon as the peer's own view would forget it.
+        // Where a peer placed the conversation's last turn (this gateway's views show none of
+        // the history its turns left there), while this gateway's view of that target still
+        // holds part of the prompt (the group's prefix): the views forget what a replica has
+        // likely evicted, and a conversation the peer moved onto a replica caching another
+        // group loses its history there about as soon as the peer's own view would forget it.
         let peer_home = ask
             .previous
             .filter(|_| ask.previous_from_peer)
