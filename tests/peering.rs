@@ -46,12 +46,7 @@ fn free_udp_port() -> u16 {
 /// Providers p0..p2 for `urls`, cache_aware routes (`alias`, and `warm` when given) over
 /// the given targets, and `[peering]`.
 fn routes(urls: &[String], alias: &[usize], warm: &[usize], listen: u16, peer: u16) -> String {
-    let mut s = String::new();
-    for (i, u) in urls.iter().enumerate() {
-        s += &format!(
-            "[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n"
-        );
-    }
+    let mut s = providers_toml(urls);
     for (model, targets) in [("alias", alias), ("warm", warm)] {
         if targets.is_empty() {
             continue;

@@ -55,14 +55,20 @@ pub fn rolter_bin() -> &'static str {
     env!("CARGO_BIN_EXE_rolter")
 }
 
-/// A routing file with one provider per URL and one route over all of them.
-pub fn routes_toml(urls: &[String], strategy: &str, extra: &str) -> String {
+/// One provider per URL, named p0, p1, ….
+pub fn providers_toml(urls: &[String]) -> String {
     let mut s = String::new();
     for (i, u) in urls.iter().enumerate() {
         s += &format!(
             "[[providers]]\nname = \"p{i}\"\nkind = \"openai_compatible\"\napi_base = \"{u}\"\n\n"
         );
     }
+    s
+}
+
+/// A routing file with one provider per URL and one route over all of them.
+pub fn routes_toml(urls: &[String], strategy: &str, extra: &str) -> String {
+    let mut s = providers_toml(urls);
     s += &format!("[[routes]]\nmodel = \"alias\"\nstrategy = \"{strategy}\"\n");
     for i in 0..urls.len() {
         s += &format!("[[routes.targets]]\nprovider = \"p{i}\"\nmodel = \"upstream-model-{i}\"\n");

@@ -115,12 +115,8 @@ enum Cmd {
 
 /// Every `*.jsonl` trace in `dir`, by file name (without the extension), in name order.
 fn read_traces(dir: &std::path::Path) -> Result<Vec<(String, Vec<TraceRow>)>, String> {
-    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .collect();
-    paths.sort();
+    let paths = rolter_loadtest::load::files_ending_with(dir, ".jsonl")
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::with_capacity(paths.len());
     for p in paths {
         let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;

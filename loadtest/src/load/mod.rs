@@ -22,3 +22,19 @@ pub mod sweep;
 pub mod trace_summary;
 pub mod upper_bound;
 pub mod workload;
+
+use std::path::{Path, PathBuf};
+
+/// The files in `dir` whose names end with `suffix` (`.jsonl` traces, `.placement.log`
+/// decision logs), sorted by path.
+pub fn files_ending_with(dir: &Path, suffix: &str) -> std::io::Result<Vec<PathBuf>> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().ends_with(suffix))
+        })
+        .collect();
+    paths.sort();
+    Ok(paths)
+}

@@ -333,20 +333,10 @@ pub fn summarize_file(path: &Path) -> Result<PlacementSummary, PlacementLogError
 
 /// Every `*.placement.log` in `dir`, by file name.
 pub fn find_logs(dir: &Path) -> Result<Vec<PathBuf>, PlacementLogError> {
-    let read_err = |source| PlacementLogError::Read {
+    super::files_ending_with(dir, FILE_SUFFIX).map_err(|source| PlacementLogError::Read {
         path: dir.to_path_buf(),
         source,
-    };
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(read_err)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().ends_with(FILE_SUFFIX))
-        })
-        .collect();
-    paths.sort();
-    Ok(paths)
+    })
 }
 
 fn counts(v: &[(String, usize)]) -> String {
