@@ -478,8 +478,10 @@ impl Gateway {
             let others = strategy.fails_over() && view.eligible().any(|i| i != decision.target);
             let blocked = self.retry_blocker(ctx.attempts, others, now, deadline, retry, false);
             let attempt = Attempt::begin(route, strategy, &request.input, &view, decision, ticket);
-            if let (Some(conversation), true) =
-                (attempt.decision.conversation, strategy.hears_peers())
+            if let Some(conversation) = attempt
+                .decision
+                .conversation
+                .filter(|_| strategy.hears_peers())
             {
                 let (label, new_work) = (target.state.label(), attempt.decision.new_work);
                 self.peering

@@ -91,7 +91,7 @@ impl Runtime {
     /// [`load`](Self::load) with a given resolver (tests) and status board.
     pub fn load_with(path: &Path, ctx: LoadContext) -> Result<Self, LoadError> {
         let registry = Registry::default();
-        let (config, table) = Self::read_table(path, &registry, &ctx)?;
+        let (config, table) = Self::read_table(path, &registry, &ctx, |_| Ok(()))?;
         let l = &table.limits;
         let responses = ResponseAffinity::new(l.response_affinity_ttl_s, l.response_affinity_cap);
         Ok(Runtime {
@@ -104,12 +104,16 @@ impl Runtime {
         })
     }
 
+    /// Read the routing file at `path` and build its table, unless `accept` refuses the
+    /// config first (before any name is resolved or tokenizer loaded).
     fn read_table(
         path: &Path,
         registry: &Registry,
         ctx: &LoadContext,
+        accept: impl FnOnce(&config::Config) -> Result<(), LoadError>,
     ) -> Result<(config::Config, RouteTable), LoadError> {
         let config = config::load_file(path)?;
+        accept(&config)?;
         let table = RouteTable::build_with(&config, &path.display().to_string(), registry, ctx)?;
         Ok((config, table))
     }
@@ -138,22 +142,20 @@ impl Runtime {
     /// Every outcome is logged and counted in `rolter_config_reloads_total{result}`.
     pub fn reload(&self) -> Result<(), LoadError> {
         let mut live = self.config.lock();
-        let built = Self::read_table(&self.routes_path, &self.registry, &self.ctx).and_then(
-            |(config, table)| {
-                if config.peering.listen == live.peering.listen {
-                    return Ok((config, table));
-                }
-                // The socket is bound at start; peers would list an address this gateway
-                // no longer sends from.
-                Err(LoadError::Config(ConfigError::Invalid {
-                    path: self.routes_path.display().to_string(),
-                    problems: vec![format!(
-                        "peering.listen: changed from {:?} to {:?}; it takes effect only at a restart",
-                        live.peering.listen, config.peering.listen
-                    )],
-                }))
-            },
-        );
+        let built = Self::read_table(&self.routes_path, &self.registry, &self.ctx, |config| {
+            if config.peering.listen == live.peering.listen {
+                return Ok(());
+            }
+            // The socket is bound at start; peers would list an address this gateway no
+            // longer sends from.
+            Err(LoadError::Config(ConfigError::Invalid {
+                path: self.routes_path.display().to_string(),
+                problems: vec![format!(
+                    "peering.listen: changed from {:?} to {:?}; it takes effect only at a restart",
+                    live.peering.listen, config.peering.listen
+                )],
+            }))
+        });
         let (config, table) = match built {
             Ok(built) => built,
             Err(e) => {
