@@ -311,11 +311,14 @@ local system = string.rep("You are a careful assistant. ", 40)
 local n = 0
 local thread_id = 0
 setup = function(thread) thread_id = thread_id + 1 end
+-- The question is ~300 bytes, unique from its start: several whole 64-byte chunks of every
+-- prompt are new to the tries (a distinct tail shorter than a chunk would add no node).
 request = function()
   n = n + 1
+  local q = string.rep("unique question number " .. n .. " " .. math.random(1e9) .. " ", 8)
   return wrk.format(nil, "/v1/chat/completions", nil,
     '{"model":"bench","messages":[{"role":"system","content":"' .. system ..
-    '"},{"role":"user","content":"unique question number ' .. n .. ' ' .. math.random(1e9) .. '"}]}')
+    '"},{"role":"user","content":"' .. q .. '"}]}')
 end
 LUA
   rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
