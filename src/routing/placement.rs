@@ -33,7 +33,8 @@
 //!    over both at the cost of their first user message.
 //! 5. A conversation whose history no view holds any more is kept by the target that
 //!    served its last turn (`Ask::previous`, remembered by the caller), if that target
-//!    holds as much of the prompt as any. One whose last turn another gateway placed
+//!    holds some of the prompt and as much as any (when no view holds any of it, the
+//!    conversation is placed as new work). One whose last turn another gateway placed
 //!    (`Ask::previous_from_peer`, a peer's note: `peering`) is kept by that target while
 //!    this gateway's view of it holds a counted part of the prompt (its group's prefix),
 //!    whatever the views show of the history: the peer placed the history there.
@@ -885,6 +886,12 @@ mod tests {
         let mut a = ask(2400.0, 2000.0, 3);
         a.previous = Some(2);
         assert_eq!(rule.place(&a, &c).unwrap().index, 0);
+        // When no view holds any of the prompt, the turn is new work: placed by the cost
+        // rule, so a previous target 3 beyond the least loaded does not get it back.
+        let c = choices(&[0, 0, 3, 0], &[0.0, 0.0, 0.0, 0.0]);
+        let p = rule.place(&a, &c).unwrap();
+        assert_ne!(p.index, 2);
+        assert!(p.new_work);
     }
 
     /// A turn whose last turn another gateway placed goes where the peer put it, even where
