@@ -1,6 +1,6 @@
 //! Two gateways with `[peering]`: a conversation's turn that reaches the gateway which did
 //! not serve the turn before goes where the other gateway put it; datagrams from anyone
-//! but a configured peer are refused.
+//! but a configured peer are refused, and with a key, any not sealed with it.
 
 mod common;
 
@@ -148,4 +148,97 @@ async fn a_taken_peering_address_is_bound_once_it_is_free() {
     })
     .await;
     assert!(bound, "the freed address was never bound");
+}
+
+const UNAUTHENTICATED: &str = "rolter_peer_notes_total{event=\"unauthenticated\"}";
+
+/// With a `[peering]` key, notes pass only sealed with it: a listed peer's unsealed
+/// datagram, or one sealed with another key, is counted and dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_key_only_notes_sealed_with_it_are_heard() {
+    use rolter::peering::wire;
+    let stub = Stub::start("a").await.unwrap();
+    let dir = std::env::temp_dir().join(format!("rolter-peer-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("peering.key");
+    let secret = "9f".repeat(32);
+    std::fs::write(&key_file, format!("{secret}\n")).unwrap();
+    // A listed peer the test speaks for, beside gateway A.
+    let listed = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let listed_port = listed.local_addr().unwrap().port();
+    let (port_a, port_b) = (free_udp_port(), free_udp_port());
+    let with_key = |routes: String, peers: &[u16]| {
+        let peers: Vec<String> = peers.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+        let cut = routes.find("peers = ").unwrap();
+        format!(
+            "{}peers = [{}]\nkey_file = \"{}\"\n",
+            &routes[..cut],
+            peers.join(", "),
+            key_file.display()
+        )
+    };
+    let urls = [stub.url()];
+    let a = Gateway::start(&with_key(
+        routes(&urls, &[0], &[], port_a, port_b),
+        &[port_b],
+    ))
+    .await;
+    let b = Gateway::start(&with_key(
+        routes(&urls, &[0], &[], port_b, port_a),
+        &[port_a, listed_port],
+    ))
+    .await;
+
+    // A's notes reach B, sealed.
+    let (status, id, _) = post_chat(&a, turn("alias", &system(0), 0, 0)).await;
+    assert_eq!((status, id.as_deref()), (200, Some("a")));
+    let heard = eventually(Duration::from_secs(5), || async {
+        b.metric(RECEIVED).await.unwrap_or(0.0) >= 1.0
+    })
+    .await;
+    assert!(heard, "B never heard A's sealed note");
+
+    let note = wire::Note {
+        route: "alias",
+        label: "p0/upstream-model-0",
+        conversation: 7,
+        new_work: true,
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let sealed_with = |key: &wire::Key| {
+        let mut d = wire::MAGIC_SEALED.to_vec();
+        d.resize(wire::SEALED_HEADER, 0);
+        d.extend(wire::encode(&note).unwrap());
+        wire::seal(&mut d, key, now_ms);
+        d
+    };
+    let mut unsealed = wire::MAGIC.to_vec();
+    unsealed.extend(wire::encode(&note).unwrap());
+    let other_key = wire::Key::new(&[1; wire::MIN_KEY_BYTES]).unwrap();
+    // From a listed peer's address: unsealed, then sealed with another key: both refused.
+    for (i, datagram) in [unsealed, sealed_with(&other_key)].iter().enumerate() {
+        let received = b.metric(RECEIVED).await.unwrap_or(0.0);
+        listed.send_to(datagram, ("127.0.0.1", port_b)).unwrap();
+        let refused = eventually(Duration::from_secs(5), || async {
+            b.metric(UNAUTHENTICATED).await.unwrap_or(0.0) >= (i + 1) as f64
+        })
+        .await;
+        assert!(refused, "datagram {i} was not refused as unauthenticated");
+        assert_eq!(b.metric(RECEIVED).await.unwrap_or(0.0), received);
+    }
+    // Sealed with the group's key: heard.
+    let received = b.metric(RECEIVED).await.unwrap_or(0.0);
+    let key = wire::Key::new(secret.as_bytes()).unwrap();
+    listed
+        .send_to(&sealed_with(&key), ("127.0.0.1", port_b))
+        .unwrap();
+    let heard = eventually(Duration::from_secs(5), || async {
+        b.metric(RECEIVED).await.unwrap_or(0.0) > received
+    })
+    .await;
+    assert!(heard, "a note sealed with the group's key was not heard");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -94,6 +94,8 @@ pub struct Config {
 
 /// Most `[peering] peers`.
 pub const MAX_PEERS: usize = 64;
+/// Shortest `[peering]` key: 256 bits (e.g. `openssl rand -hex 32`, 64 characters).
+pub const MIN_PEERING_KEY_BYTES: usize = 32;
 
 /// `[peering]`: gateways behind one L4 balancer tell each other, in UDP datagrams, which
 /// target each conversation's turn went to, so a turn reaching the gateway that did not
@@ -106,6 +108,12 @@ pub struct PeeringConfig {
     pub listen: Option<String>,
     /// The other gateways' `listen` addresses (`ip:port`, no names).
     pub peers: Vec<String>,
+    /// A file holding the key every gateway of the group seals its datagrams with (at least
+    /// 32 bytes, surrounding whitespace ignored): with a key, datagrams without its seal are
+    /// refused. Read at start and on every reload.
+    pub key_file: Option<String>,
+    /// An environment variable holding that key instead.
+    pub key_env: Option<String>,
 }
 
 /// A secret from the routing file (an API key): its `Debug` never shows the value, so a

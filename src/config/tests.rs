@@ -610,6 +610,16 @@ fn peering_takes_ip_port_literals_allowed_by_egress() {
             "peering.peers[1]: [fd00::12]:7100 cannot be reached from listen's address family",
         ]
     );
+    assert_eq!(
+        problems(
+            "[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.1:7101\"]\nkey_file = \"k\"\nkey_env = \"K\"\n"
+        ),
+        ["peering: key_file and key_env are exclusive (one key for the group)"]
+    );
+    assert_eq!(
+        problems("[peering]\nkey_env = \"K\"\n"),
+        ["peering.listen: must be set when a key is"]
+    );
     let denied =
         problems("[peering]\nlisten = \"10.0.0.11:7100\"\npeers = [\"169.254.169.254:7100\"]\n");
     assert_eq!(denied.len(), 1, "{denied:?}");

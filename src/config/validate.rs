@@ -332,6 +332,12 @@ fn peering_problems(p: &super::PeeringConfig, policy: &EgressPolicy) -> Vec<Stri
             "peering.listen: {l} is not a specific address (peers accept notes only from the address they list for this gateway)"
         ));
     }
+    if p.key_file.is_some() && p.key_env.is_some() {
+        out.push("peering: key_file and key_env are exclusive (one key for the group)".into());
+    }
+    if p.listen.is_none() && (p.key_file.is_some() || p.key_env.is_some()) {
+        out.push("peering.listen: must be set when a key is".into());
+    }
     match (&p.listen, p.peers.len()) {
         (Some(_), 0) => out.push("peering.peers: must name at least one peer".into()),
         (None, n) if n > 0 => out.push("peering.listen: must be set when peers are".into()),

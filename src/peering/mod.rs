@@ -20,8 +20,9 @@
 //! and offered to a bounded queue (a full queue drops it, counted); one task sends the
 //! queued notes every few milliseconds, as many to a datagram as fit, to every peer, and
 //! one receives. A datagram is accepted only from an address in `[peering] peers` (each
-//! gateway sends from its `listen` address, a specific one). Notes are hints: a lost one
-//! costs a cache miss, never an answer.
+//! gateway sends from its `listen` address, a specific one) and, with a `[peering]` key,
+//! only sealed with it (`wire::seal`). Notes are hints: a lost one costs a cache miss,
+//! never an answer.
 
 pub mod wire;
 
@@ -131,8 +132,14 @@ async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Rec
     loop {
         tick.tick().await;
         loop {
-            match packer.next(&mut outbox) {
-                Packed::Datagram(notes) => send(runtime, socket, &packer.datagram, notes).await,
+            let key = key_of(&runtime.table().peering);
+            match packer.next(&mut outbox, key.is_some()) {
+                Packed::Datagram(notes) => {
+                    if let Some(key) = &key {
+                        wire::seal(&mut packer.datagram, key, unix_ms());
+                    }
+                    send(runtime, socket, &packer.datagram, notes).await
+                }
                 Packed::Empty => break,
                 Packed::Closed => return,
             }
@@ -151,6 +158,22 @@ enum Packed {
     Closed,
 }
 
+/// The key `settings` seal datagrams with (the live table's: a reload may change it).
+/// Keyed per datagram: a key schedule is two SHA-256 blocks, far below a datagram's cost.
+fn key_of(settings: &crate::runtime::PeeringSettings) -> Option<wire::Key> {
+    settings
+        .key
+        .as_ref()
+        .and_then(|k| wire::Key::new(k.expose().as_bytes()))
+}
+
+/// The wall clock in Unix milliseconds, as sealed datagrams carry it.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Packs queued notes into datagrams of at most [`wire::MAX_DATAGRAM`] bytes, in order: a
 /// note that does not fit waits for the next datagram.
 #[derive(Default)]
@@ -160,9 +183,18 @@ struct Packer {
 }
 
 impl Packer {
-    fn next(&mut self, outbox: &mut mpsc::Receiver<Vec<u8>>) -> Packed {
+    /// The next datagram's header and notes; `sealed`: in the sealed format, leaving room
+    /// for the tag [`wire::seal`] appends.
+    fn next(&mut self, outbox: &mut mpsc::Receiver<Vec<u8>>, sealed: bool) -> Packed {
         self.datagram.clear();
-        self.datagram.extend_from_slice(wire::MAGIC);
+        let limit = if sealed {
+            self.datagram.extend_from_slice(wire::MAGIC_SEALED);
+            self.datagram.resize(wire::SEALED_HEADER, 0);
+            wire::MAX_DATAGRAM - wire::TAG_BYTES
+        } else {
+            self.datagram.extend_from_slice(wire::MAGIC);
+            wire::MAX_DATAGRAM
+        };
         let mut notes = 0;
         if let Some(note) = self.carried.take() {
             self.datagram.extend_from_slice(&note);
@@ -170,7 +202,7 @@ impl Packer {
         }
         loop {
             match outbox.try_recv() {
-                Ok(note) if self.datagram.len() + note.len() > wire::MAX_DATAGRAM => {
+                Ok(note) if self.datagram.len() + note.len() > limit => {
                     self.carried = Some(note);
                     break;
                 }
@@ -226,7 +258,11 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             METRICS.peer_notes.with_label_values(&["refused"]).inc();
             continue;
         }
-        match wire::decode(&buf[..len]) {
+        let notes = match key_of(&table.peering) {
+            Some(key) => wire::open(&buf[..len], &key, unix_ms()),
+            None => wire::decode(&buf[..len]),
+        };
+        match notes {
             Ok(notes) => {
                 let now_ms = ms_at(Instant::now());
                 for note in &notes {
@@ -240,7 +276,13 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             }
             Err(e) => {
                 log::debug!("peering: datagram from {from}: {e}");
-                METRICS.peer_notes.with_label_values(&["refused"]).inc();
+                let event = match e {
+                    wire::WireError::BadSeal
+                    | wire::WireError::Sealed
+                    | wire::WireError::Skew(_) => "unauthenticated",
+                    _ => "refused",
+                };
+                METRICS.peer_notes.with_label_values(&[event]).inc();
             }
         }
     }
@@ -276,6 +318,7 @@ mod tests {
         let s = PeeringSettings::from_config(&PeeringConfig {
             listen: Some("127.0.0.1:7100".into()),
             peers: vec!["127.0.0.1:7101".into(), "[::1]:7102".into()],
+            ..Default::default()
         });
         assert_eq!(s.listen, Some("127.0.0.1:7100".parse().unwrap()));
         assert!(s.accepts("127.0.0.1:7101".parse().unwrap()));
@@ -288,28 +331,37 @@ mod tests {
 
     #[test]
     fn queued_notes_leave_in_order_in_datagrams_that_fit() {
-        let outbox = Outbox::default();
-        let mut rx = outbox.open().unwrap();
-        let label = "provider-with-a-long-name/some-org/Model-70B-Instruct";
-        for i in 0..100 {
-            outbox.tell("chat", label, i, i % 3 == 0);
+        // Unsealed, and sealed (the tag appended after packing still fits).
+        let key = wire::Key::new(&[5; wire::MIN_KEY_BYTES]).unwrap();
+        for sealed in [false, true] {
+            let outbox = Outbox::default();
+            let mut rx = outbox.open().unwrap();
+            let label = "provider-with-a-long-name/some-org/Model-70B-Instruct";
+            for i in 0..100 {
+                outbox.tell("chat", label, i, i % 3 == 0);
+            }
+            let mut packer = Packer::default();
+            let mut seen = Vec::new();
+            let mut datagrams = 0;
+            while let Packed::Datagram(n) = packer.next(&mut rx, sealed) {
+                let notes = if sealed {
+                    wire::seal(&mut packer.datagram, &key, 1);
+                    wire::open(&packer.datagram, &key, 1).unwrap()
+                } else {
+                    wire::decode(&packer.datagram).unwrap()
+                };
+                assert!(packer.datagram.len() <= wire::MAX_DATAGRAM);
+                assert_eq!(notes.len() as u64, n);
+                seen.extend(notes.iter().map(|n| (n.conversation, n.new_work)));
+                datagrams += 1;
+            }
+            let sent: Vec<(u64, bool)> = (0..100).map(|i| (i, i % 3 == 0)).collect();
+            assert_eq!(seen, sent, "every note once, in order (sealed: {sealed})");
+            assert!(datagrams > 1 && datagrams < 10, "{datagrams} datagrams");
+            assert_eq!(packer.next(&mut rx, sealed), Packed::Empty);
+            drop(outbox);
+            assert_eq!(packer.next(&mut rx, sealed), Packed::Closed);
         }
-        let mut packer = Packer::default();
-        let mut seen = Vec::new();
-        let mut datagrams = 0;
-        while let Packed::Datagram(n) = packer.next(&mut rx) {
-            assert!(packer.datagram.len() <= wire::MAX_DATAGRAM);
-            let notes = wire::decode(&packer.datagram).unwrap();
-            assert_eq!(notes.len() as u64, n);
-            seen.extend(notes.iter().map(|n| (n.conversation, n.new_work)));
-            datagrams += 1;
-        }
-        let sent: Vec<(u64, bool)> = (0..100).map(|i| (i, i % 3 == 0)).collect();
-        assert_eq!(seen, sent, "every note once, in order");
-        assert!(datagrams > 1 && datagrams < 10, "{datagrams} datagrams");
-        assert_eq!(packer.next(&mut rx), Packed::Empty);
-        drop(outbox);
-        assert_eq!(packer.next(&mut rx), Packed::Closed);
     }
 
     #[tokio::test]

@@ -6,16 +6,38 @@
 //! `x-session-id`) and a flags byte (bit 0: the turn was new work). At most
 //! [`MAX_DATAGRAM`] bytes, so it fits one Ethernet frame unfragmented.
 //!
-//! Owns the encoding and its checks. Must not touch sockets or routing state.
+//! With a shared key (`[peering] key_file` / `key_env`) a datagram is sealed instead:
+//! [`MAGIC_SEALED`], the sender's wall-clock time (Unix ms, 8 bytes little-endian), the
+//! notes, then the first [`TAG_BYTES`] bytes of HMAC-SHA-256 under the key over everything
+//! before them. A receiver with the key accepts only sealed datagrams whose tag verifies and
+//! whose time is within [`MAX_SKEW_MS`] of its own clock; one without a key accepts only
+//! unsealed ones.
+//!
+//! Owns the encoding, the seal and their checks. Must not touch sockets or routing state.
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use thiserror::Error;
 
-/// First bytes of every datagram (format version 1).
+/// First bytes of every unsealed datagram (format version 1).
 pub const MAGIC: &[u8; 4] = b"RLP1";
+/// First bytes of every sealed datagram (format version 2).
+pub const MAGIC_SEALED: &[u8; 4] = b"RLP2";
 /// Largest datagram sent or accepted: under a 1,500-byte MTU with IPv6 and UDP headers.
 pub const MAX_DATAGRAM: usize = 1400;
 /// Longest route alias or target label a note carries.
 pub const MAX_NAME: usize = u8::MAX as usize;
+/// Bytes of the HMAC-SHA-256 tag a sealed datagram carries (128 bits, as TLS's truncated
+/// MACs and RFC 2104's guidance of at least half the hash allow).
+pub const TAG_BYTES: usize = 16;
+/// A sealed datagram's header: the magic and the send time.
+pub const SEALED_HEADER: usize = MAGIC_SEALED.len() + 8;
+/// How far a sealed datagram's send time may be from the receiver's clock: far beyond the
+/// milliseconds a datagram takes, room for clocks kept by NTP; a captured datagram can be
+/// replayed only within it, repeating notes its sender did send.
+pub const MAX_SKEW_MS: u64 = 30_000;
+/// Shortest key accepted (`[peering] key_file` / `key_env`).
+pub const MIN_KEY_BYTES: usize = crate::config::MIN_PEERING_KEY_BYTES;
 
 const NEW_WORK: u8 = 1;
 
@@ -47,6 +69,82 @@ pub enum WireError {
     NameTooLong(usize),
     #[error("unknown flags {0:#x}")]
     Flags(u8),
+    #[error("not sealed with this gateway's key")]
+    BadSeal,
+    #[error("sealed, and this gateway has no key")]
+    Sealed,
+    #[error("sent {0} ms from this gateway's clock, over {MAX_SKEW_MS}")]
+    Skew(u64),
+}
+
+/// The shared key peers seal datagrams with. `Debug` never shows it.
+#[derive(Clone)]
+pub struct Key(Hmac<Sha256>);
+
+impl Key {
+    /// A key of at least [`MIN_KEY_BYTES`] bytes; `None` if shorter.
+    pub fn new(secret: &[u8]) -> Option<Key> {
+        (secret.len() >= MIN_KEY_BYTES)
+            .then(|| Hmac::new_from_slice(secret).ok().map(Key))
+            .flatten()
+    }
+
+    fn tag(&self, bytes: &[u8]) -> Hmac<Sha256> {
+        let mut mac = self.0.clone();
+        mac.update(bytes);
+        mac
+    }
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(..)")
+    }
+}
+
+/// Seal `datagram`, built as [`MAGIC_SEALED`], [`SEALED_HEADER`] − 4 bytes of any value and
+/// the notes (at most [`MAX_DATAGRAM`] − [`TAG_BYTES`] bytes in all): writes the send time
+/// and appends the tag.
+pub fn seal(datagram: &mut Vec<u8>, key: &Key, now_unix_ms: u64) {
+    debug_assert!(datagram.starts_with(MAGIC_SEALED) && datagram.len() >= SEALED_HEADER);
+    datagram[MAGIC_SEALED.len()..SEALED_HEADER].copy_from_slice(&now_unix_ms.to_le_bytes());
+    let tag = key.tag(datagram).finalize().into_bytes();
+    datagram.extend_from_slice(&tag[..TAG_BYTES]);
+}
+
+/// The notes of a datagram `key` sealed, checked as [`decode`] checks an unsealed one.
+pub fn open<'a>(
+    datagram: &'a [u8],
+    key: &Key,
+    now_unix_ms: u64,
+) -> Result<Vec<Note<'a>>, WireError> {
+    if datagram.len() > MAX_DATAGRAM {
+        return Err(WireError::TooLong(datagram.len()));
+    }
+    if !datagram.starts_with(MAGIC_SEALED) {
+        return Err(if datagram.starts_with(MAGIC) {
+            WireError::BadSeal
+        } else {
+            WireError::Magic
+        });
+    }
+    if datagram.len() < SEALED_HEADER + TAG_BYTES {
+        return Err(WireError::Truncated);
+    }
+    let (sealed, tag) = datagram.split_at(datagram.len() - TAG_BYTES);
+    key.tag(sealed)
+        .verify_truncated_left(tag)
+        .map_err(|_| WireError::BadSeal)?;
+    let sent = u64::from_le_bytes(
+        sealed[MAGIC_SEALED.len()..SEALED_HEADER]
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let skew = sent.abs_diff(now_unix_ms);
+    if skew > MAX_SKEW_MS {
+        return Err(WireError::Skew(skew));
+    }
+    notes(&sealed[SEALED_HEADER..])
 }
 
 /// `note` encoded (without the datagram's magic).
@@ -67,7 +165,14 @@ pub fn decode(datagram: &[u8]) -> Result<Vec<Note<'_>>, WireError> {
     if datagram.len() > MAX_DATAGRAM {
         return Err(WireError::TooLong(datagram.len()));
     }
-    let mut rest = datagram.strip_prefix(MAGIC).ok_or(WireError::Magic)?;
+    if datagram.starts_with(MAGIC_SEALED) {
+        return Err(WireError::Sealed);
+    }
+    notes(datagram.strip_prefix(MAGIC).ok_or(WireError::Magic)?)
+}
+
+/// The notes packed back to back in `rest`, all or none.
+fn notes(mut rest: &[u8]) -> Result<Vec<Note<'_>>, WireError> {
     let mut notes = Vec::new();
     while !rest.is_empty() {
         let route = name(&mut rest)?;
@@ -140,7 +245,8 @@ mod tests {
             new_work: false,
         };
         let good = datagram(&[note, note]);
-        assert_eq!(decode(b"RLP2"), Err(WireError::Magic));
+        assert_eq!(decode(b"RLP0"), Err(WireError::Magic));
+        assert_eq!(decode(b"RLP2"), Err(WireError::Sealed));
         assert_eq!(decode(&good[..good.len() - 1]), Err(WireError::Truncated));
         let mut flags = good.clone();
         *flags.last_mut().unwrap() = 0x80;
@@ -160,7 +266,87 @@ mod tests {
         );
     }
 
+    const NOW: u64 = 1_796_000_000_000;
+
+    fn key(byte: u8) -> Key {
+        Key::new(&[byte; MIN_KEY_BYTES]).unwrap()
+    }
+
+    fn sealed(notes: &[Note], key: &Key, at: u64) -> Vec<u8> {
+        let mut d = MAGIC_SEALED.to_vec();
+        d.extend([0; SEALED_HEADER - 4]);
+        for n in notes {
+            d.extend(encode(n).unwrap());
+        }
+        seal(&mut d, key, at);
+        d
+    }
+
+    const NOTE: Note = Note {
+        route: "chat",
+        label: "vllm-0/llama",
+        conversation: 42,
+        new_work: true,
+    };
+
+    #[test]
+    fn a_sealed_datagram_opens_only_with_its_key_unaltered_and_on_time() {
+        let k = key(1);
+        let d = sealed(&[NOTE, NOTE], &k, NOW);
+        assert_eq!(
+            d.len(),
+            SEALED_HEADER + 2 * encode(&NOTE).unwrap().len() + TAG_BYTES
+        );
+        assert_eq!(open(&d, &k, NOW).unwrap(), vec![NOTE, NOTE]);
+        assert_eq!(open(&d, &k, NOW + MAX_SKEW_MS).unwrap(), vec![NOTE, NOTE]);
+        assert_eq!(open(&d, &k, NOW - MAX_SKEW_MS).unwrap(), vec![NOTE, NOTE]);
+        // Another key, any altered byte (header, note or tag), a stale or future send time.
+        assert_eq!(open(&d, &key(2), NOW), Err(WireError::BadSeal));
+        for i in 0..d.len() {
+            let mut bad = d.clone();
+            bad[i] ^= 0x01;
+            let e = open(&bad, &k, NOW).unwrap_err();
+            assert!(
+                matches!(e, WireError::BadSeal | WireError::Magic),
+                "byte {i}: {e:?}"
+            );
+        }
+        assert_eq!(
+            open(&d, &k, NOW + MAX_SKEW_MS + 1),
+            Err(WireError::Skew(MAX_SKEW_MS + 1))
+        );
+        assert_eq!(
+            open(&d, &k, NOW - MAX_SKEW_MS - 1),
+            Err(WireError::Skew(MAX_SKEW_MS + 1))
+        );
+        // Each side refuses the other's format: a keyed gateway takes no unsealed notes, an
+        // unkeyed one no sealed ones.
+        assert_eq!(open(&datagram(&[NOTE]), &k, NOW), Err(WireError::BadSeal));
+        assert_eq!(decode(&d), Err(WireError::Sealed));
+        assert_eq!(
+            open(&d[..SEALED_HEADER + TAG_BYTES - 1], &k, NOW),
+            Err(WireError::Truncated)
+        );
+        let empty = sealed(&[], &k, NOW);
+        assert_eq!(open(&empty, &k, NOW).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn keys_shorter_than_256_bits_are_refused_and_never_printed() {
+        assert!(Key::new(&[7; MIN_KEY_BYTES - 1]).is_none());
+        let k = Key::new(b"0123456789abcdef0123456789abcdef").unwrap();
+        assert_eq!(format!("{k:?}"), "Key(..)");
+    }
+
     proptest! {
+        /// Whatever arrives on a keyed socket, opening returns (no panic, no read past the end).
+        #[test]
+        fn any_bytes_open_or_are_refused(tail in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut d = MAGIC_SEALED.to_vec();
+            d.extend(tail);
+            let _ = open(&d, &key(3), NOW);
+        }
+
         /// Whatever arrives on the socket, decoding returns (no panic, no read past the end).
         #[test]
         fn any_bytes_decode_or_are_refused(tail in proptest::collection::vec(any::<u8>(), 0..300)) {

@@ -112,6 +112,10 @@ impl RouteTable {
                 .map(|a| ClientAuth::load(a, origin).map(Arc::new))
                 .transpose()?,
         };
+        let peering_key = match dns {
+            DnsSource::Board(live) => live.peering.key.clone(),
+            DnsSource::Resolve => peering_key(&config.peering, origin)?,
+        };
         let mut resolved = Vec::with_capacity(config.providers.len());
         let mut discovered = Vec::new();
         for (index, p) in config.providers.iter().enumerate() {
@@ -339,9 +343,49 @@ impl RouteTable {
             lmcache,
             kv,
             discovered,
-            peering: super::table::PeeringSettings::from_config(&config.peering),
+            peering: super::table::PeeringSettings {
+                key: peering_key,
+                ..super::table::PeeringSettings::from_config(&config.peering)
+            },
         })
     }
+}
+
+/// The key `[peering]` points at (a file or an environment variable; surrounding whitespace
+/// is not part of it), if any.
+fn peering_key(p: &config::PeeringConfig, origin: &str) -> Result<Option<Secret>, LoadError> {
+    let (key, secret) = match (&p.key_file, &p.key_env) {
+        (Some(file), _) => (
+            "peering.key_file",
+            std::fs::read(file)
+                .map_err(|e| format!("cannot read {file}: {e}"))
+                .and_then(|bytes| {
+                    String::from_utf8(bytes).map_err(|_| {
+                        format!("{file} is not UTF-8 text (e.g. `openssl rand -hex 32`)")
+                    })
+                }),
+        ),
+        (None, Some(var)) => (
+            "peering.key_env",
+            auth::read_env_secret(var).map(|s| s.expose().to_string()),
+        ),
+        (None, None) => return Ok(None),
+    };
+    let fail = |reason: String| LoadError::Secret {
+        path: origin.to_string(),
+        key: key.to_string(),
+        reason,
+    };
+    let secret = secret.map_err(fail)?;
+    let trimmed = secret.trim();
+    if trimmed.len() < config::MIN_PEERING_KEY_BYTES {
+        return Err(fail(format!(
+            "a key of {} bytes; at least {} needed (e.g. `openssl rand -hex 32`)",
+            trimmed.len(),
+            config::MIN_PEERING_KEY_BYTES
+        )));
+    }
+    Ok(Some(Secret::new(trimmed.to_string())))
 }
 
 /// A provider's targets-to-be: its `api_base`, its addresses and its upstream key.

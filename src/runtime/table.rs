@@ -145,12 +145,15 @@ pub struct RouteTable {
 }
 
 /// `[peering]` as the live table holds it (validated: every address parsed).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct PeeringSettings {
     /// The socket's address; `None` = peering off.
     pub listen: Option<std::net::SocketAddr>,
     /// Where notes go, and the only sources accepted.
     pub peers: Arc<[std::net::SocketAddr]>,
+    /// The key datagrams are sealed with (`[peering] key_file` / `key_env`, at least
+    /// `MIN_PEERING_KEY_BYTES`); `None` = unsealed.
+    pub key: Option<crate::config::Secret>,
 }
 
 impl PeeringSettings {
@@ -164,6 +167,7 @@ impl PeeringSettings {
                 .filter_map(|p| p.parse::<std::net::SocketAddr>().ok())
                 .map(canonical)
                 .collect(),
+            key: None,
         }
     }
 

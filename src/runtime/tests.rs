@@ -584,6 +584,57 @@ fn a_peers_note_reaches_the_session_table_and_the_share_counts() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `[peering]` key is read from its file at load (whitespace around it ignored) and on
+/// reload; a missing file or a key under 256 bits rejects the file, naming the key, never
+/// showing the value.
+#[test]
+fn a_peering_key_is_read_at_load_and_a_short_one_is_refused() {
+    let base = routes(&["a"], "cache_aware", None);
+    let (dir, path) = routes_file("peer-key", &base);
+    let key_file = dir.join("peering.key");
+    let with_key = format!(
+        "{base}\n[peering]\nlisten = \"127.0.0.1:7100\"\npeers = [\"127.0.0.2:7100\"]\nkey_file = \"{}\"\n",
+        key_file.display()
+    );
+    std::fs::write(&path, &with_key).unwrap();
+    let err = Runtime::load_with(&path, static_ctx())
+        .err()
+        .expect("no key file")
+        .to_string();
+    assert!(
+        err.contains("peering.key_file") && err.contains("cannot read"),
+        "{err}"
+    );
+    std::fs::write(&key_file, "  short-secret-of-31-bytes-xxxxxx\n").unwrap();
+    let err = Runtime::load_with(&path, static_ctx())
+        .err()
+        .expect("short key")
+        .to_string();
+    assert!(
+        err.contains("peering.key_file") && err.contains("31 bytes"),
+        "{err}"
+    );
+    assert!(!err.contains("short-secret"), "the key leaked: {err}");
+    std::fs::write(&key_file, [0xff; 40]).unwrap();
+    let err = Runtime::load_with(&path, static_ctx())
+        .err()
+        .expect("binary key")
+        .to_string();
+    assert!(err.contains("not UTF-8 text"), "{err}");
+    std::fs::write(&key_file, format!("{}\n", "ab".repeat(32))).unwrap();
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    assert!(rt.table().peering.key.is_some());
+    // A reload without the key goes back to unsealed datagrams.
+    std::fs::write(
+        &path,
+        with_key.replace(&format!("key_file = \"{}\"\n", key_file.display()), ""),
+    )
+    .unwrap();
+    rt.reload().unwrap();
+    assert!(rt.table().peering.key.is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The peering socket is bound at start: a reload that moves `listen` is refused (the
 /// peers list the address this gateway sends from), one that changes `peers` is applied.
 #[test]
