@@ -398,7 +398,7 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     .expect("register rolter_discovered_addresses"),
     peer_notes: register_int_counter_vec!(
         "rolter_peer_notes_total",
-        "Peering notes by event (sent, received, dropped, refused, ignored, send_failed, unsendable)",
+        "Peering notes by event (sent, received, dropped, refused, unauthenticated, ignored, send_failed, unsendable)",
         &["event"]
     )
     .expect("register rolter_peer_notes_total"),

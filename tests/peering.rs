@@ -153,7 +153,7 @@ async fn a_taken_peering_address_is_bound_once_it_is_free() {
 const UNAUTHENTICATED: &str = "rolter_peer_notes_total{event=\"unauthenticated\"}";
 
 /// With a `[peering]` key, notes pass only sealed with it: a listed peer's unsealed
-/// datagram, or one sealed with another key, is counted and dropped.
+/// datagram, one sealed with another key, or a sealed one sent again is counted and dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_key_only_notes_sealed_with_it_are_heard() {
     use rolter::peering::wire;
@@ -204,15 +204,16 @@ async fn with_a_key_only_notes_sealed_with_it_are_heard() {
         conversation: 7,
         new_work: true,
     };
-    let now_ms = std::time::SystemTime::now()
+    let now_us = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .as_millis() as u64;
+        .as_micros() as u64;
+    let from = listed.local_addr().unwrap();
     let sealed_with = |key: &wire::Key| {
         let mut d = wire::MAGIC_SEALED.to_vec();
         d.resize(wire::SEALED_HEADER, 0);
         d.extend(wire::encode(&note).unwrap());
-        wire::seal(&mut d, key, now_ms);
+        wire::seal(&mut d, key, from, now_us);
         d
     };
     let mut unsealed = wire::MAGIC.to_vec();
@@ -229,16 +230,22 @@ async fn with_a_key_only_notes_sealed_with_it_are_heard() {
         assert!(refused, "datagram {i} was not refused as unauthenticated");
         assert_eq!(b.metric(RECEIVED).await.unwrap_or(0.0), received);
     }
-    // Sealed with the group's key: heard.
+    // Sealed with the group's key: heard, once; the same datagram again is a replay.
     let received = b.metric(RECEIVED).await.unwrap_or(0.0);
     let key = wire::Key::new(secret.as_bytes()).unwrap();
-    listed
-        .send_to(&sealed_with(&key), ("127.0.0.1", port_b))
-        .unwrap();
+    let good = sealed_with(&key);
+    listed.send_to(&good, ("127.0.0.1", port_b)).unwrap();
     let heard = eventually(Duration::from_secs(5), || async {
         b.metric(RECEIVED).await.unwrap_or(0.0) > received
     })
     .await;
     assert!(heard, "a note sealed with the group's key was not heard");
+    listed.send_to(&good, ("127.0.0.1", port_b)).unwrap();
+    let refused = eventually(Duration::from_secs(5), || async {
+        b.metric(UNAUTHENTICATED).await.unwrap_or(0.0) >= 3.0
+    })
+    .await;
+    assert!(refused, "a replayed datagram was not refused");
+    assert_eq!(b.metric(RECEIVED).await.unwrap_or(0.0), received + 1.0);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -94,7 +94,7 @@ pub struct Config {
 
 /// Most `[peering] peers`.
 pub const MAX_PEERS: usize = 64;
-/// Shortest `[peering]` key: 256 bits (e.g. `openssl rand -hex 32`, 64 characters).
+/// Shortest `[peering]` key in bytes of text (e.g. `openssl rand -hex 32`: 64 characters).
 pub const MIN_PEERING_KEY_BYTES: usize = 32;
 
 /// `[peering]`: gateways behind one L4 balancer tell each other, in UDP datagrams, which

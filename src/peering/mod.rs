@@ -28,10 +28,11 @@ pub mod wire;
 
 use crate::fleet::ms_at;
 use crate::metrics::METRICS;
-use crate::runtime::{RouteTable, Runtime};
+use crate::runtime::{PeeringSettings, RouteTable, Runtime};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio::net::UdpSocket;
@@ -111,10 +112,12 @@ impl BackgroundService for PeeringService {
         let Some(outbox) = self.1.open() else {
             return;
         };
+        // What the peers see as this gateway's address (and a sealed datagram's tag binds).
+        let me = PeeringSettings::canonical(socket.local_addr().unwrap_or(listen));
         METRICS.peering_listening.set(1);
         log::info!("peering: listening on {listen}");
         tokio::select! {
-            _ = send_notes(&self.0, &socket, outbox) => {}
+            _ = send_notes(&self.0, &socket, me, outbox) => {}
             _ = receive_notes(&self.0, &socket) => {}
             _ = shutdown.changed() => {}
         }
@@ -125,10 +128,17 @@ impl BackgroundService for PeeringService {
 /// Send the queued notes every [`FLUSH_EVERY`], as many to a datagram as fit. On a timer
 /// rather than on each note: a task woken per note costs the request path a cross-thread
 /// wake-up and the peer a datagram per turn.
-async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Receiver<Vec<u8>>) {
+/// `me`: the socket's address, which a sealed datagram's tag binds.
+async fn send_notes(
+    runtime: &Runtime,
+    socket: &UdpSocket,
+    me: std::net::SocketAddr,
+    mut outbox: mpsc::Receiver<Vec<u8>>,
+) {
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut packer = Packer::default();
+    let mut stamp = 0;
     loop {
         tick.tick().await;
         loop {
@@ -136,7 +146,10 @@ async fn send_notes(runtime: &Runtime, socket: &UdpSocket, mut outbox: mpsc::Rec
             match packer.next(&mut outbox, key.is_some()) {
                 Packed::Datagram(notes) => {
                     if let Some(key) = &key {
-                        wire::seal(&mut packer.datagram, key, unix_ms());
+                        // Above the last one even within one microsecond or after the
+                        // clock stepped back: receivers refuse a stamp they have seen.
+                        stamp = unix_us().max(stamp + 1);
+                        wire::seal(&mut packer.datagram, key, me, stamp);
                     }
                     send(runtime, socket, &packer.datagram, notes).await
                 }
@@ -167,11 +180,11 @@ fn key_of(settings: &crate::runtime::PeeringSettings) -> Option<wire::Key> {
         .and_then(|k| wire::Key::new(k.expose().as_bytes()))
 }
 
-/// The wall clock in Unix milliseconds, as sealed datagrams carry it.
-fn unix_ms() -> u64 {
+/// The wall clock in Unix microseconds, as sealed datagrams are stamped.
+fn unix_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Packs queued notes into datagrams of at most [`wire::MAX_DATAGRAM`] bytes, in order: a
@@ -244,6 +257,9 @@ async fn send(runtime: &Runtime, socket: &UdpSocket, datagram: &[u8], notes: u64
 async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
     // One byte over the limit: a longer datagram is cut there and refused as too long.
     let mut buf = vec![0u8; wire::MAX_DATAGRAM + 1];
+    // The last stamp accepted from each peer (sealed datagrams): one not above it is a
+    // replay. Only this task touches it; bounded by the peers listed.
+    let mut last_stamp: HashMap<std::net::SocketAddr, u64> = HashMap::new();
     loop {
         let (len, from) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -258,8 +274,18 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             METRICS.peer_notes.with_label_values(&["refused"]).inc();
             continue;
         }
+        let from = PeeringSettings::canonical(from);
         let notes = match key_of(&table.peering) {
-            Some(key) => wire::open(&buf[..len], &key, unix_ms()),
+            Some(key) => {
+                let after = last_stamp.get(&from).copied().unwrap_or(0);
+                wire::open(&buf[..len], &key, from, unix_us(), after).map(|(stamp, notes)| {
+                    if last_stamp.len() >= 2 * crate::config::MAX_PEERS {
+                        last_stamp.retain(|a, _| table.peering.accepts(*a));
+                    }
+                    last_stamp.insert(from, stamp);
+                    notes
+                })
+            }
             None => wire::decode(&buf[..len]),
         };
         match notes {
@@ -276,15 +302,19 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
             }
             Err(e) => {
                 log::debug!("peering: datagram from {from}: {e}");
-                let event = match e {
-                    wire::WireError::BadSeal
-                    | wire::WireError::Sealed
-                    | wire::WireError::Skew(_) => "unauthenticated",
-                    _ => "refused",
-                };
-                METRICS.peer_notes.with_label_values(&[event]).inc();
+                METRICS.peer_notes.with_label_values(&[refusal(&e)]).inc();
             }
         }
+    }
+}
+
+/// The `rolter_peer_notes_total` event a refused datagram counts as: `unauthenticated` when
+/// its seal (or its lack of one) is why, `refused` when it is malformed.
+fn refusal(e: &wire::WireError) -> &'static str {
+    use wire::WireError::*;
+    match e {
+        BadSeal | Sealed | Skew(_) | Replayed => "unauthenticated",
+        Magic | TooLong(_) | Truncated | NotUtf8 | NameTooLong(_) | Flags(_) => "refused",
     }
 }
 
@@ -330,9 +360,29 @@ mod tests {
     }
 
     #[test]
+    fn a_datagram_refused_for_its_seal_counts_apart_from_a_malformed_one() {
+        use wire::WireError::*;
+        for e in [BadSeal, Sealed, Skew(40_000), Replayed] {
+            assert_eq!(refusal(&e), "unauthenticated", "{e:?}");
+        }
+        for e in [
+            Magic,
+            TooLong(1401),
+            Truncated,
+            NotUtf8,
+            NameTooLong(300),
+            Flags(2),
+        ] {
+            assert_eq!(refusal(&e), "refused", "{e:?}");
+        }
+    }
+
+    #[test]
     fn queued_notes_leave_in_order_in_datagrams_that_fit() {
         // Unsealed, and sealed (the tag appended after packing still fits).
         let key = wire::Key::new(&[5; wire::MIN_KEY_BYTES]).unwrap();
+        let me = "127.0.0.1:7100".parse().unwrap();
+        const NOW_US: u64 = 1_796_000_000_000_000;
         for sealed in [false, true] {
             let outbox = Outbox::default();
             let mut rx = outbox.open().unwrap();
@@ -345,8 +395,10 @@ mod tests {
             let mut datagrams = 0;
             while let Packed::Datagram(n) = packer.next(&mut rx, sealed) {
                 let notes = if sealed {
-                    wire::seal(&mut packer.datagram, &key, 1);
-                    wire::open(&packer.datagram, &key, 1).unwrap()
+                    // Room left for the tag, which then still fits.
+                    assert!(packer.datagram.len() <= wire::MAX_DATAGRAM - wire::TAG_BYTES);
+                    wire::seal(&mut packer.datagram, &key, me, NOW_US);
+                    wire::open(&packer.datagram, &key, me, NOW_US, 0).unwrap().1
                 } else {
                     wire::decode(&packer.datagram).unwrap()
                 };

@@ -7,16 +7,20 @@
 //! [`MAX_DATAGRAM`] bytes, so it fits one Ethernet frame unfragmented.
 //!
 //! With a shared key (`[peering] key_file` / `key_env`) a datagram is sealed instead:
-//! [`MAGIC_SEALED`], the sender's wall-clock time (Unix ms, 8 bytes little-endian), the
-//! notes, then the first [`TAG_BYTES`] bytes of HMAC-SHA-256 under the key over everything
-//! before them. A receiver with the key accepts only sealed datagrams whose tag verifies and
-//! whose time is within [`MAX_SKEW_MS`] of its own clock; one without a key accepts only
-//! unsealed ones.
+//! [`MAGIC_SEALED`], a stamp (the sender's wall-clock time in Unix µs, raised so that each
+//! datagram's is above the one before; 8 bytes little-endian), the notes, then the first
+//! [`TAG_BYTES`] bytes of HMAC-SHA-256 under the key over the sender's address (its
+//! `listen`, as text) and everything before the tag. A receiver with the key accepts a
+//! sealed datagram only when the tag verifies for the address it came from, its stamp is
+//! within [`MAX_SKEW_MS`] of the receiver's clock and above the last one it accepted from
+//! that sender (so a captured datagram can be neither replayed nor passed off as another
+//! peer's); one without a key accepts only unsealed datagrams.
 //!
 //! Owns the encoding, the seal and their checks. Must not touch sockets or routing state.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use std::net::SocketAddr;
 use thiserror::Error;
 
 /// First bytes of every unsealed datagram (format version 1).
@@ -30,11 +34,11 @@ pub const MAX_NAME: usize = u8::MAX as usize;
 /// Bytes of the HMAC-SHA-256 tag a sealed datagram carries (128 bits, as TLS's truncated
 /// MACs and RFC 2104's guidance of at least half the hash allow).
 pub const TAG_BYTES: usize = 16;
-/// A sealed datagram's header: the magic and the send time.
+/// A sealed datagram's header: the magic and the stamp.
 pub const SEALED_HEADER: usize = MAGIC_SEALED.len() + 8;
-/// How far a sealed datagram's send time may be from the receiver's clock: far beyond the
-/// milliseconds a datagram takes, room for clocks kept by NTP; a captured datagram can be
-/// replayed only within it, repeating notes its sender did send.
+/// How far a sealed datagram's stamp may be from the receiver's clock: far beyond the
+/// milliseconds a datagram takes, room for clocks kept by NTP. With the per-sender order it
+/// bounds what a restarted receiver (which has forgotten the last stamps) can be replayed.
 pub const MAX_SKEW_MS: u64 = 30_000;
 /// Shortest key accepted (`[peering] key_file` / `key_env`).
 pub const MIN_KEY_BYTES: usize = crate::config::MIN_PEERING_KEY_BYTES;
@@ -75,6 +79,8 @@ pub enum WireError {
     Sealed,
     #[error("sent {0} ms from this gateway's clock, over {MAX_SKEW_MS}")]
     Skew(u64),
+    #[error("stamped no later than a datagram already accepted from its sender")]
+    Replayed,
 }
 
 /// The shared key peers seal datagrams with. `Debug` never shows it.
@@ -89,8 +95,12 @@ impl Key {
             .flatten()
     }
 
-    fn tag(&self, bytes: &[u8]) -> Hmac<Sha256> {
+    /// The MAC of `bytes` sent from `sender`.
+    fn tag(&self, sender: SocketAddr, bytes: &[u8]) -> Hmac<Sha256> {
         let mut mac = self.0.clone();
+        let sender = sender.to_string();
+        mac.update(&[sender.len() as u8]);
+        mac.update(sender.as_bytes());
         mac.update(bytes);
         mac
     }
@@ -103,21 +113,26 @@ impl std::fmt::Debug for Key {
 }
 
 /// Seal `datagram`, built as [`MAGIC_SEALED`], [`SEALED_HEADER`] − 4 bytes of any value and
-/// the notes (at most [`MAX_DATAGRAM`] − [`TAG_BYTES`] bytes in all): writes the send time
-/// and appends the tag.
-pub fn seal(datagram: &mut Vec<u8>, key: &Key, now_unix_ms: u64) {
+/// the notes (at most [`MAX_DATAGRAM`] − [`TAG_BYTES`] bytes in all), as sent from `sender`
+/// (the socket's address) with `stamp` (Unix µs, above the sender's previous stamp): writes
+/// the stamp and appends the tag.
+pub fn seal(datagram: &mut Vec<u8>, key: &Key, sender: SocketAddr, stamp: u64) {
     debug_assert!(datagram.starts_with(MAGIC_SEALED) && datagram.len() >= SEALED_HEADER);
-    datagram[MAGIC_SEALED.len()..SEALED_HEADER].copy_from_slice(&now_unix_ms.to_le_bytes());
-    let tag = key.tag(datagram).finalize().into_bytes();
+    datagram[MAGIC_SEALED.len()..SEALED_HEADER].copy_from_slice(&stamp.to_le_bytes());
+    let tag = key.tag(sender, datagram).finalize().into_bytes();
     datagram.extend_from_slice(&tag[..TAG_BYTES]);
 }
 
-/// The notes of a datagram `key` sealed, checked as [`decode`] checks an unsealed one.
+/// A sealed datagram's stamp and notes, checked as [`decode`] checks an unsealed one: sealed
+/// with `key` as sent from `sender`, stamped within [`MAX_SKEW_MS`] of `now_us` and above
+/// `after` (the last stamp accepted from `sender`; 0 for none).
 pub fn open<'a>(
     datagram: &'a [u8],
     key: &Key,
-    now_unix_ms: u64,
-) -> Result<Vec<Note<'a>>, WireError> {
+    sender: SocketAddr,
+    now_us: u64,
+    after: u64,
+) -> Result<(u64, Vec<Note<'a>>), WireError> {
     if datagram.len() > MAX_DATAGRAM {
         return Err(WireError::TooLong(datagram.len()));
     }
@@ -132,19 +147,20 @@ pub fn open<'a>(
         return Err(WireError::Truncated);
     }
     let (sealed, tag) = datagram.split_at(datagram.len() - TAG_BYTES);
-    key.tag(sealed)
+    key.tag(sender, sealed)
         .verify_truncated_left(tag)
         .map_err(|_| WireError::BadSeal)?;
-    let sent = u64::from_le_bytes(
-        sealed[MAGIC_SEALED.len()..SEALED_HEADER]
-            .try_into()
-            .expect("8 bytes"),
-    );
-    let skew = sent.abs_diff(now_unix_ms);
-    if skew > MAX_SKEW_MS {
-        return Err(WireError::Skew(skew));
+    let mut stamp = [0; 8];
+    stamp.copy_from_slice(&sealed[MAGIC_SEALED.len()..SEALED_HEADER]);
+    let stamp = u64::from_le_bytes(stamp);
+    let skew_ms = stamp.abs_diff(now_us) / 1000;
+    if skew_ms > MAX_SKEW_MS {
+        return Err(WireError::Skew(skew_ms));
     }
-    notes(&sealed[SEALED_HEADER..])
+    if stamp <= after {
+        return Err(WireError::Replayed);
+    }
+    Ok((stamp, notes(&sealed[SEALED_HEADER..])?))
 }
 
 /// `note` encoded (without the datagram's magic).
@@ -266,19 +282,25 @@ mod tests {
         );
     }
 
-    const NOW: u64 = 1_796_000_000_000;
+    /// A wall-clock time in Unix µs.
+    const NOW: u64 = 1_796_000_000_000_000;
+    const SKEW_US: u64 = MAX_SKEW_MS * 1000;
 
     fn key(byte: u8) -> Key {
         Key::new(&[byte; MIN_KEY_BYTES]).unwrap()
     }
 
-    fn sealed(notes: &[Note], key: &Key, at: u64) -> Vec<u8> {
+    fn addr(text: &str) -> SocketAddr {
+        text.parse().unwrap()
+    }
+
+    fn sealed(notes: &[Note], key: &Key, sender: SocketAddr, stamp: u64) -> Vec<u8> {
         let mut d = MAGIC_SEALED.to_vec();
         d.extend([0; SEALED_HEADER - 4]);
         for n in notes {
             d.extend(encode(n).unwrap());
         }
-        seal(&mut d, key, at);
+        seal(&mut d, key, sender, stamp);
         d
     }
 
@@ -290,49 +312,68 @@ mod tests {
     };
 
     #[test]
-    fn a_sealed_datagram_opens_only_with_its_key_unaltered_and_on_time() {
-        let k = key(1);
-        let d = sealed(&[NOTE, NOTE], &k, NOW);
+    fn a_sealed_datagram_opens_only_with_its_key_from_its_sender_unaltered_and_on_time() {
+        let (k, a) = (key(1), addr("10.0.0.11:7100"));
+        let d = sealed(&[NOTE, NOTE], &k, a, NOW);
         assert_eq!(
             d.len(),
             SEALED_HEADER + 2 * encode(&NOTE).unwrap().len() + TAG_BYTES
         );
-        assert_eq!(open(&d, &k, NOW).unwrap(), vec![NOTE, NOTE]);
-        assert_eq!(open(&d, &k, NOW + MAX_SKEW_MS).unwrap(), vec![NOTE, NOTE]);
-        assert_eq!(open(&d, &k, NOW - MAX_SKEW_MS).unwrap(), vec![NOTE, NOTE]);
-        // Another key, any altered byte (header, note or tag), a stale or future send time.
-        assert_eq!(open(&d, &key(2), NOW), Err(WireError::BadSeal));
+        let notes = vec![NOTE, NOTE];
+        assert_eq!(open(&d, &k, a, NOW, 0).unwrap(), (NOW, notes.clone()));
+        assert_eq!(open(&d, &k, a, NOW + SKEW_US, 0).unwrap().1, notes);
+        assert_eq!(open(&d, &k, a, NOW - SKEW_US, NOW - 1).unwrap().1, notes);
+        // Another key, another sender (a datagram one peer sent, replayed from another's
+        // address), any altered byte (header, note or tag).
+        assert_eq!(open(&d, &key(2), a, NOW, 0), Err(WireError::BadSeal));
+        for other in [
+            "10.0.0.12:7100",
+            "10.0.0.11:7101",
+            "[::ffff:10.0.0.11]:7100",
+        ] {
+            assert_eq!(
+                open(&d, &k, addr(other), NOW, 0),
+                Err(WireError::BadSeal),
+                "{other}"
+            );
+        }
         for i in 0..d.len() {
             let mut bad = d.clone();
             bad[i] ^= 0x01;
-            let e = open(&bad, &k, NOW).unwrap_err();
+            let e = open(&bad, &k, a, NOW, 0).unwrap_err();
             assert!(
                 matches!(e, WireError::BadSeal | WireError::Magic),
                 "byte {i}: {e:?}"
             );
         }
+        // Stale or future, and not above the sender's last accepted stamp (a replay).
         assert_eq!(
-            open(&d, &k, NOW + MAX_SKEW_MS + 1),
+            open(&d, &k, a, NOW + SKEW_US + 1000, 0),
             Err(WireError::Skew(MAX_SKEW_MS + 1))
         );
         assert_eq!(
-            open(&d, &k, NOW - MAX_SKEW_MS - 1),
+            open(&d, &k, a, NOW - SKEW_US - 1000, 0),
             Err(WireError::Skew(MAX_SKEW_MS + 1))
         );
+        assert_eq!(open(&d, &k, a, NOW, NOW), Err(WireError::Replayed));
+        assert_eq!(open(&d, &k, a, NOW, NOW + 5), Err(WireError::Replayed));
         // Each side refuses the other's format: a keyed gateway takes no unsealed notes, an
         // unkeyed one no sealed ones.
-        assert_eq!(open(&datagram(&[NOTE]), &k, NOW), Err(WireError::BadSeal));
+        assert_eq!(
+            open(&datagram(&[NOTE]), &k, a, NOW, 0),
+            Err(WireError::BadSeal)
+        );
         assert_eq!(decode(&d), Err(WireError::Sealed));
         assert_eq!(
-            open(&d[..SEALED_HEADER + TAG_BYTES - 1], &k, NOW),
+            open(&d[..SEALED_HEADER + TAG_BYTES - 1], &k, a, NOW, 0),
             Err(WireError::Truncated)
         );
-        let empty = sealed(&[], &k, NOW);
-        assert_eq!(open(&empty, &k, NOW).unwrap(), vec![]);
+        let empty = sealed(&[], &k, a, NOW);
+        assert_eq!(open(&empty, &k, a, NOW, 0).unwrap(), (NOW, vec![]));
     }
 
     #[test]
-    fn keys_shorter_than_256_bits_are_refused_and_never_printed() {
+    fn keys_shorter_than_32_bytes_are_refused_and_never_printed() {
         assert!(Key::new(&[7; MIN_KEY_BYTES - 1]).is_none());
         let k = Key::new(b"0123456789abcdef0123456789abcdef").unwrap();
         assert_eq!(format!("{k:?}"), "Key(..)");
@@ -344,7 +385,7 @@ mod tests {
         fn any_bytes_open_or_are_refused(tail in proptest::collection::vec(any::<u8>(), 0..300)) {
             let mut d = MAGIC_SEALED.to_vec();
             d.extend(tail);
-            let _ = open(&d, &key(3), NOW);
+            let _ = open(&d, &key(3), addr("127.0.0.1:1"), NOW, 0);
         }
 
         /// Whatever arrives on the socket, decoding returns (no panic, no read past the end).

@@ -176,6 +176,12 @@ impl PeeringSettings {
     pub fn accepts(&self, from: std::net::SocketAddr) -> bool {
         self.peers.contains(&canonical(from))
     }
+
+    /// `addr` as the peers list it: an IPv4-mapped IPv6 address as IPv4, no flow or scope
+    /// id (what a sealed datagram's tag binds the sender to).
+    pub fn canonical(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+        canonical(addr)
+    }
 }
 
 /// `addr` with an IPv4-mapped IPv6 address as IPv4 (and no flow or scope id).

@@ -632,6 +632,20 @@ fn a_peering_key_is_read_at_load_and_a_short_one_is_refused() {
     .unwrap();
     rt.reload().unwrap();
     assert!(rt.table().peering.key.is_none());
+    // A reload can add one, here from the environment.
+    let var = format!("ROLTER_TEST_PEERING_KEY_{}", std::process::id());
+    std::env::set_var(&var, "cd".repeat(16));
+    let from_env = with_key.replace(
+        &format!("key_file = \"{}\"", key_file.display()),
+        &format!("key_env = \"{var}\""),
+    );
+    std::fs::write(&path, from_env).unwrap();
+    rt.reload().unwrap();
+    assert_eq!(
+        rt.table().peering.key.as_ref().map(|k| k.expose().len()),
+        Some(32)
+    );
+    std::env::remove_var(&var);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
