@@ -597,29 +597,28 @@ fn a_peering_key_is_read_at_load_and_a_short_one_is_refused() {
         key_file.display()
     );
     std::fs::write(&path, &with_key).unwrap();
-    let err = Runtime::load_with(&path, static_ctx())
-        .err()
-        .expect("no key file")
-        .to_string();
+    // The load's error with the key file holding `contents` (none: no file).
+    let refused = |contents: Option<&[u8]>| {
+        if let Some(c) = contents {
+            std::fs::write(&key_file, c).unwrap();
+        }
+        Runtime::load_with(&path, static_ctx())
+            .err()
+            .expect("the key was accepted")
+            .to_string()
+    };
+    let err = refused(None);
     assert!(
         err.contains("peering.key_file") && err.contains("cannot read"),
         "{err}"
     );
-    std::fs::write(&key_file, "  short-secret-of-31-bytes-xxxxxx\n").unwrap();
-    let err = Runtime::load_with(&path, static_ctx())
-        .err()
-        .expect("short key")
-        .to_string();
+    let err = refused(Some(b"  short-secret-of-31-bytes-xxxxxx\n"));
     assert!(
         err.contains("peering.key_file") && err.contains("31 bytes"),
         "{err}"
     );
     assert!(!err.contains("short-secret"), "the key leaked: {err}");
-    std::fs::write(&key_file, [0xff; 40]).unwrap();
-    let err = Runtime::load_with(&path, static_ctx())
-        .err()
-        .expect("binary key")
-        .to_string();
+    let err = refused(Some(&[0xff; 40]));
     assert!(err.contains("not UTF-8 text"), "{err}");
     std::fs::write(&key_file, format!("{}\n", "ab".repeat(32))).unwrap();
     let rt = Runtime::load_with(&path, static_ctx()).unwrap();
