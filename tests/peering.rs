@@ -153,7 +153,8 @@ async fn a_taken_peering_address_is_bound_once_it_is_free() {
 const UNAUTHENTICATED: &str = "rolter_peer_notes_total{event=\"unauthenticated\"}";
 
 /// With a `[peering]` key, notes pass only sealed with it: a listed peer's unsealed
-/// datagram, one sealed with another key, or a sealed one sent again is counted and dropped.
+/// datagram, one sealed with another key, one stamped before the receiver started, or a
+/// sealed one sent again is counted and dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_key_only_notes_sealed_with_it_are_heard() {
     use rolter::peering::wire;
@@ -209,18 +210,27 @@ async fn with_a_key_only_notes_sealed_with_it_are_heard() {
         .unwrap()
         .as_micros() as u64;
     let from = listed.local_addr().unwrap();
-    let sealed_with = |key: &wire::Key| {
+    let sealed_at = |key: &wire::Key, stamp: u64| {
         let mut d = wire::MAGIC_SEALED.to_vec();
         d.resize(wire::SEALED_HEADER, 0);
         d.extend(wire::encode(&note).unwrap());
-        wire::seal(&mut d, key, from, now_us);
+        wire::seal(&mut d, key, from, stamp);
         d
     };
+    let key = wire::Key::new(secret.as_bytes()).unwrap();
+    let other_key = wire::Key::new(&[1; wire::MIN_KEY_BYTES]).unwrap();
     let mut unsealed = wire::MAGIC.to_vec();
     unsealed.extend(wire::encode(&note).unwrap());
-    let other_key = wire::Key::new(&[1; wire::MIN_KEY_BYTES]).unwrap();
-    // From a listed peer's address: unsealed, then sealed with another key: both refused.
-    for (i, datagram) in [unsealed, sealed_with(&other_key)].iter().enumerate() {
+    // From a listed peer's address: unsealed, sealed with another key, and sealed with the
+    // group's key but stamped before B started (as a datagram captured earlier would be):
+    // all refused.
+    let before_b = now_us - 20_000_000;
+    let refused = [
+        unsealed,
+        sealed_at(&other_key, now_us),
+        sealed_at(&key, before_b),
+    ];
+    for (i, datagram) in refused.iter().enumerate() {
         let received = b.metric(RECEIVED).await.unwrap_or(0.0);
         listed.send_to(datagram, ("127.0.0.1", port_b)).unwrap();
         let refused = eventually(Duration::from_secs(5), || async {
@@ -232,8 +242,7 @@ async fn with_a_key_only_notes_sealed_with_it_are_heard() {
     }
     // Sealed with the group's key: heard, once; the same datagram again is a replay.
     let received = b.metric(RECEIVED).await.unwrap_or(0.0);
-    let key = wire::Key::new(secret.as_bytes()).unwrap();
-    let good = sealed_with(&key);
+    let good = sealed_at(&key, now_us);
     listed.send_to(&good, ("127.0.0.1", port_b)).unwrap();
     let heard = eventually(Duration::from_secs(5), || async {
         b.metric(RECEIVED).await.unwrap_or(0.0) > received
@@ -242,7 +251,7 @@ async fn with_a_key_only_notes_sealed_with_it_are_heard() {
     assert!(heard, "a note sealed with the group's key was not heard");
     listed.send_to(&good, ("127.0.0.1", port_b)).unwrap();
     let refused = eventually(Duration::from_secs(5), || async {
-        b.metric(UNAUTHENTICATED).await.unwrap_or(0.0) >= 3.0
+        b.metric(UNAUTHENTICATED).await.unwrap_or(0.0) >= 4.0
     })
     .await;
     assert!(refused, "a replayed datagram was not refused");

@@ -258,8 +258,11 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
     // One byte over the limit: a longer datagram is cut there and refused as too long.
     let mut buf = vec![0u8; wire::MAX_DATAGRAM + 1];
     // The last stamp accepted from each peer (sealed datagrams): one not above it is a
-    // replay. Only this task touches it; bounded by the peers listed.
+    // replay. Only this task touches it; bounded by the peers listed. Before a peer's
+    // first, this task's start: a datagram captured before this process started (whose
+    // stamps it never saw) is refused too.
     let mut last_stamp: HashMap<std::net::SocketAddr, u64> = HashMap::new();
+    let started_us = unix_us();
     loop {
         let (len, from) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -277,7 +280,7 @@ async fn receive_notes(runtime: &Runtime, socket: &UdpSocket) {
         let from = PeeringSettings::canonical(from);
         let notes = match key_of(&table.peering) {
             Some(key) => {
-                let after = last_stamp.get(&from).copied().unwrap_or(0);
+                let after = last_stamp.get(&from).copied().unwrap_or(started_us);
                 wire::open(&buf[..len], &key, from, unix_us(), after).map(|(stamp, notes)| {
                     if last_stamp.len() >= 2 * crate::config::MAX_PEERS {
                         last_stamp.retain(|a, _| table.peering.accepts(*a));

@@ -13,8 +13,9 @@
 //! `listen`, as text) and everything before the tag. A receiver with the key accepts a
 //! sealed datagram only when the tag verifies for the address it came from, its stamp is
 //! within [`MAX_SKEW_MS`] of the receiver's clock and above the last one it accepted from
-//! that sender (so a captured datagram can be neither replayed nor passed off as another
-//! peer's); one without a key accepts only unsealed datagrams.
+//! that sender (before the first, above the receiver's start), so a captured datagram can
+//! be neither replayed nor passed off as another peer's; one without a key accepts only
+//! unsealed datagrams.
 //!
 //! Owns the encoding, the seal and their checks. Must not touch sockets or routing state.
 
@@ -37,8 +38,7 @@ pub const TAG_BYTES: usize = 16;
 /// A sealed datagram's header: the magic and the stamp.
 pub const SEALED_HEADER: usize = MAGIC_SEALED.len() + 8;
 /// How far a sealed datagram's stamp may be from the receiver's clock: far beyond the
-/// milliseconds a datagram takes, room for clocks kept by NTP. With the per-sender order it
-/// bounds what a restarted receiver (which has forgotten the last stamps) can be replayed.
+/// milliseconds a datagram takes, room for clocks kept by NTP.
 pub const MAX_SKEW_MS: u64 = 30_000;
 /// Shortest key accepted (`[peering] key_file` / `key_env`).
 pub const MIN_KEY_BYTES: usize = crate::config::MIN_PEERING_KEY_BYTES;
