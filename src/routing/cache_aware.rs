@@ -10,10 +10,13 @@
 //! extra queue, deterministic ties, and an overload guard that keeps a conversation on its
 //! target longer than it keeps a new one. Only eligible targets are compared (a broken
 //! replica's empty queue never makes the others look busy). An empty prompt goes to the
-//! least-loaded target (`fallback`).
+//! least-loaded target (`fallback`). When no trie holds any of a prompt whose group has a
+//! home whose trie is past half full, the home is taken to hold the head of the group's
+//! first message ([`HOME_HEAD_SHARE`]): the trie forgets whole prompts, the replica frees
+//! blocks tail first.
 
 use super::group_homes::GroupHomes;
-use super::placement::{Ask, Choice, PlacementKeys, PlacementRule};
+use super::placement::{Ask, Choice, GroupHome, PlacementKeys, PlacementRule};
 use super::{Candidate, Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::key::{self, CHUNK_BYTES, HASH_BYTES};
 use crate::prefix::{MatchHint, PrefixTrie};
@@ -22,6 +25,14 @@ use std::sync::Arc;
 
 /// Default minimum prefix score to pin a request to its best-matching target (SPEC §4).
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
+/// Share of its group's first message a group's home is taken to hold when no trie holds
+/// any of the prompt. A trie sized to its replica's cache forgets whole prompts, oldest
+/// first: one other group's long prompt inserted there drops every prompt of the group
+/// living there, system prompt included. vLLM frees a finished request's blocks tail first
+/// and evicts the least recently freed, so the replica still holds the start of that
+/// system prompt (a 3,072-token cache after a 2,070-token foreign prompt: about the first
+/// 1,000 of a 2,000-token one). Chosen by measurement (docs/routing.md).
+pub const HOME_HEAD_SHARE: f64 = 0.3;
 
 /// Default prompt bytes per token: English text averages about 4 characters per BPE token
 /// (OpenAI's rule of thumb); the chat encoding adds a few bytes per message.
@@ -101,6 +112,26 @@ impl CacheAware {
 impl Default for CacheAware {
     fn default() -> Self {
         CacheAware::new(PlacementRule::default(), DEFAULT_PROMPT_BYTES_PER_TOKEN)
+    }
+}
+
+/// When no view holds any of the prompt, its group has a known home and the home's trie is
+/// past half full (it forgets), credit the home with [`HOME_HEAD_SHARE`] of the group's
+/// first message.
+fn credit_group_home(choices: &mut [Choice], ask: &Ask) {
+    if choices.iter().any(|c| c.cached_tokens > 0.0) {
+        return;
+    }
+    let Some(GroupHome::Known(home)) = ask.group_home else {
+        return;
+    };
+    // Only where the trie has been forgetting: one with room for the prompt while at most
+    // half full has dropped nothing, so its zero is the replica's too.
+    if let Some(c) = choices
+        .iter_mut()
+        .find(|c| c.index == home && c.room_tokens < ask.tokens)
+    {
+        c.cached_tokens = HOME_HEAD_SHARE * ask.first_message_tokens;
     }
 }
 
@@ -211,6 +242,8 @@ impl Strategy for CacheAware {
                 g.note_and_home(keys.group, &labels, input.now_ms)
             }),
         };
+        let mut choices = choices;
+        credit_group_home(&mut choices, &ask);
         let placed = self.rule.place(&ask, &choices)?;
         super::explain::log_decision(&ask, &choices, &placed);
         // The chosen target's walk, handed to `record` so its insert starts where it stopped:
@@ -316,6 +349,63 @@ mod tests {
             "5 in flight is more than one request's worth: {seen:?}"
         );
         assert!(seen[..3].iter().all(|&n| n > 40), "{seen:?}");
+    }
+
+    /// A group every trie has forgotten (another group's prompts pushed it out) still
+    /// counts on its home for the head of its first message, as the replica still holds it.
+    #[test]
+    fn a_group_home_forgotten_by_every_trie_still_counts_for_the_head_of_its_prompt() {
+        // About 1,000 tokens of system prompt: 30% of it is past the 256 always counted.
+        let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(140));
+        let turn = |n: usize| format!("{system}\x1euser\x1fquestion {n}\x1e");
+        // Tries capped as for a 1,500-token cache (half of it is less than the prompt: they
+        // forget), then uncapped ones (room for the prompt: a zero there is the replica's).
+        for (capped, homes, credited) in [
+            (true, true, true),
+            (true, false, false),
+            (false, true, false),
+        ] {
+            let t = tries(4);
+            if capped {
+                for trie in &t {
+                    trie.set_max_bytes(trie_bytes_for_kv_cache(
+                        Some(1500),
+                        DEFAULT_PROMPT_BYTES_PER_TOKEN,
+                    ));
+                }
+            }
+            let idle = fleet(&t, &[0; 4], &[true; 4]);
+            let cs = CacheAware::new(
+                PlacementRule {
+                    group_homes: homes,
+                    ..Default::default()
+                },
+                DEFAULT_PROMPT_BYTES_PER_TOKEN,
+            );
+            // Two sightings make the group known; nothing is recorded, every trie stays empty.
+            for n in 0..2 {
+                cs.select(&input(turn(n).as_bytes()), &FleetView::new(&idle))
+                    .unwrap();
+            }
+            let d = cs
+                .select(&input(turn(2).as_bytes()), &FleetView::new(&idle))
+                .unwrap();
+            let case = format!("capped {capped}, group homes {homes}");
+            if !credited {
+                assert_eq!(d.reason, Reason::BelowThreshold, "{case}");
+                continue;
+            }
+            assert_eq!(d.reason, Reason::CacheHit, "{case}");
+            let home = d.target;
+            // One more in flight there than anywhere else: the head is worth more.
+            let mut loads = [0; 4];
+            loads[home] = 1;
+            let busy = fleet(&t, &loads, &[true; 4]);
+            let d = cs
+                .select(&input(turn(3).as_bytes()), &FleetView::new(&busy))
+                .unwrap();
+            assert_eq!((d.target, d.reason), (home, Reason::CacheHit), "{case}");
+        }
     }
 
     /// Two gateways that placed one group on different targets (each one's trie shows only
