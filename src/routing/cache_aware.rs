@@ -213,7 +213,7 @@ impl Strategy for CacheAware {
         let len = input.prompt_len() as f64;
         let key = prompt_key_of(input);
         let mut hints = Vec::with_capacity(fleet.candidates.len());
-        let choices: Vec<Choice> = prefix_scores_hinted(input.prompt_len(), &key, fleet)
+        let mut choices: Vec<Choice> = prefix_scores_hinted(input.prompt_len(), &key, fleet)
             .map(|(i, score, hint)| {
                 hints.push((i, hint));
                 let c = &fleet.candidates[i];
@@ -242,7 +242,6 @@ impl Strategy for CacheAware {
                 g.note_and_home(keys.group, &labels, input.now_ms)
             }),
         };
-        let mut choices = choices;
         credit_group_home(&mut choices, &ask);
         let placed = self.rule.place(&ask, &choices)?;
         super::explain::log_decision(&ask, &choices, &placed);
