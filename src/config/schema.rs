@@ -497,7 +497,7 @@ pub struct RouteConfig {
     #[serde(default = "default_share_bound")]
     pub share_bound: f64,
     /// Send a new conversation to the home every gateway names for its prefix group
-    /// (cache_aware; see `routing::group_homes`).
+    /// (cache_aware, precise_cache_aware; see `routing::group_homes`).
     #[serde(default = "default_group_homes")]
     pub group_homes: bool,
     /// Node ceiling of each target's prefix trie (its memory bound).

@@ -149,6 +149,25 @@ pub fn previous_target(
     Some((index, from_peer))
 }
 
+/// With group homes on (`groups`): the home named for `group` among the fleet's targets
+/// (noting the sighting), and in `choices` how many groups live on each.
+pub fn group_home_of(
+    groups: Option<&GroupHomes>,
+    group: u64,
+    fleet: &FleetView,
+    now_ms: u64,
+    choices: &mut [Choice],
+) -> Option<GroupHome> {
+    let groups = groups?;
+    let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
+    let home = groups.note_and_home(group, &labels, now_ms);
+    let homes = groups.homes_per_target(&labels);
+    for c in choices.iter_mut() {
+        c.homes = homes.get(c.index).copied().unwrap_or(0);
+    }
+    home
+}
+
 /// Store in `table` that the decision's conversation went to `target`.
 pub fn remember_target(
     table: Option<&SessionTable>,
@@ -225,6 +244,7 @@ impl Strategy for CacheAware {
                     cache_tokens: c.cache_tokens,
                     placed: c.placed,
                     label: c.label,
+                    homes: 0,
                 }
             })
             .collect();
@@ -237,10 +257,13 @@ impl Strategy for CacheAware {
             keys,
             previous: previous.map(|(i, _)| i),
             previous_from_peer: previous.is_some_and(|(_, peer)| peer),
-            group_home: self.groups.as_ref().and_then(|g| {
-                let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
-                g.note_and_home(keys.group, &labels, input.now_ms)
-            }),
+            group_home: group_home_of(
+                self.groups.as_ref(),
+                keys.group,
+                fleet,
+                input.now_ms,
+                &mut choices,
+            ),
         };
         credit_group_home(&mut choices, &ask);
         let placed = self.rule.place(&ask, &choices)?;

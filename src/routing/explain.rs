@@ -95,6 +95,7 @@ mod tests {
             room_tokens: 0.0,
             cache_tokens: 0.0,
             placed: inflight as f64 + 0.4,
+            homes: 0,
         }
     }
 

@@ -148,6 +148,17 @@ impl GroupHomes {
         }
     }
 
+    /// How many known groups live on each of `labels` (the route's targets, in order) in the
+    /// published assignment; all 0 until one is published over exactly these labels.
+    pub fn homes_per_target(&self, labels: &[&str]) -> Vec<usize> {
+        let homes = self.homes.load();
+        if homes.computed_over(labels) {
+            homes.count.clone()
+        } else {
+            vec![0; labels.len()]
+        }
+    }
+
     /// Note a request of `group`; true when it made the group known (its second).
     fn note(&self, group: u64, now_ms: u64) -> bool {
         if let Some(last) = self.seen.get(&group) {

@@ -46,7 +46,12 @@
 //!    for the prompt's group, see `group_homes`) when the home has no more in flight
 //!    than that target, even if the home must prefill the group's prefix first. A new
 //!    group's expected home (`GroupHome::Expected`) counts only while no target holds
-//!    the prompt.
+//!    the prompt. Under cache pressure (every target is some group's home and that
+//!    target's cache holds less than twice the prompt, so one group there evicts the
+//!    other) the home takes it busier or not whenever it holds as much of the prompt as
+//!    that target, and the share bound below does not move it off: a group's second home
+//!    on another group's replica has the two evict each other; only the overload guard
+//!    moves it. While some target hosts no group, a group may open a second home.
 //! 8. Bounded share (`share_bound`): new work (its group's home included) skips a target
 //!    already given more than `share_bound` × the mean of the new work recently placed
 //!    on each eligible target (`Choice::placed`; never below the least-given target's
@@ -201,6 +206,8 @@ pub struct Choice<'a> {
     /// New work placed on the target recently (`fleet::recent`): conversations it was given,
     /// which bring their later turns with them.
     pub placed: f64,
+    /// Prefix groups whose home (`group_homes`) the target is (0 when homes are off).
+    pub homes: usize,
 }
 
 /// The request as the rule sees it.
@@ -319,12 +326,24 @@ impl PlacementRule {
                     Some(GroupHome::Expected(h)) if best_cached == 0.0 => Some(h),
                     _ => None,
                 };
+                // Under cache pressure, when every target is some group's home, a home
+                // holding the group's prefix is kept however busy (the overload guard
+                // aside): the pick's cache cannot hold both groups. While some target
+                // hosts no group, that one can be the group's second home.
+                let every_target_hosts = choices.iter().all(|c| c.homes > 0);
+                let pinned = |h: &Choice| {
+                    pick.index != h.index
+                        && every_target_hosts
+                        && crowded(pick, tokens)
+                        && counted(h) >= counted(pick)
+                };
                 let group_home = group_home
                     .and_then(|h| choices.iter().find(|c| c.index == h))
                     .filter(|h| {
-                        h.inflight <= pick.inflight
+                        (h.inflight <= pick.inflight || pinned(h))
                             && counted(pick) <= ask.first_message_tokens + CONTINUATION_MIN_TOKENS
                     });
+                let pinned_home = group_home.is_some_and(pinned);
                 let (pick, went_home) = match group_home {
                     Some(h) => (h, true),
                     None => (pick, false),
@@ -341,7 +360,7 @@ impl PlacementRule {
                 let share_cap = self.share_cap(choices);
                 let hosts =
                     |c: &&Choice| c.placed <= share_cap && self.can_host(c, tokens, &counted);
-                let other = (pick.placed > share_cap)
+                let other = (pick.placed > share_cap && !pinned_home)
                     .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
                     .flatten();
                 match other {
@@ -418,7 +437,7 @@ impl PlacementRule {
     /// holds the prompt's prefix, or its cache (if known) holds the prompt twice (the group
     /// living there and this one).
     fn can_host(&self, c: &Choice, tokens: f64, counted: &impl Fn(&Choice) -> f64) -> bool {
-        counted(c) > 0.0 || c.cache_tokens <= 0.0 || c.cache_tokens >= 2.0 * tokens
+        counted(c) > 0.0 || !crowded(c, tokens)
     }
 
     /// Most new work a target may have been given recently and still take more:
@@ -464,6 +483,12 @@ impl PlacementRule {
         near.filter(|c| counted(c) >= most_cached)
             .max_by_key(|c| rendezvous(key, c.label))
     }
+}
+
+/// Whether `c`'s cache (if known) holds less than twice a prompt of `tokens`: a second
+/// group's prompt there evicts the first's.
+fn crowded(c: &Choice, tokens: f64) -> bool {
+    c.cache_tokens > 0.0 && c.cache_tokens < 2.0 * tokens
 }
 
 /// Rendezvous (highest-random-weight) weight of `key` on the target `label`.
@@ -521,6 +546,7 @@ mod tests {
                 room_tokens: 0.0,
                 cache_tokens: 0.0,
                 placed: 0.0,
+                homes: 0,
             })
             .collect()
     }
@@ -1010,6 +1036,61 @@ mod tests {
         };
         let c = choices(&[1, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
         assert_eq!(off.place(&with_home(2), &c).unwrap().index, 0);
+    }
+
+    #[test]
+    fn under_cache_pressure_a_group_home_holding_the_prefix_keeps_its_new_conversations() {
+        let rule = rule();
+        let a = Ask {
+            group_home: Some(GroupHome::Known(0)),
+            ..ask(2100.0, 2000.0, 7)
+        };
+        // Every target is some group's home.
+        let with_cache = |mut c: Vec<Choice<'static>>, cache: f64| {
+            c.iter_mut()
+                .for_each(|c| (c.cache_tokens, c.homes) = (cache, 1));
+            c
+        };
+        // The home (0) and another group's home (1, where one of this group's
+        // conversations spilled) both hold the group's prompt; 1 is less busy.
+        let loads = [3, 1, 2, 2];
+        let cached = [2000.0, 2000.0, 0.0, 0.0];
+        let keys_to_1 = (0..50)
+            .filter(|&k| {
+                let a = Ask {
+                    keys: PlacementKeys {
+                        group: k,
+                        conversation: k + 1,
+                    },
+                    ..a
+                };
+                // Caches that hold two prompts: the home, being busier, loses to 1.
+                let roomy = with_cache(choices(&loads, &cached), 8192.0);
+                let p = rule.place(&a, &roomy).unwrap().index;
+                // Caches that hold one prompt (3,072 tokens): the home keeps it.
+                let tight = with_cache(choices(&loads, &cached), 3072.0);
+                assert_eq!(rule.place(&a, &tight).unwrap().index, 0, "key {k}");
+                p == 1
+            })
+            .count();
+        assert_eq!(keys_to_1, 50);
+        // Pinned, the share bound does not move it off the home, however much new work
+        // the home was given.
+        let mut tight = with_cache(choices(&loads, &cached), 3072.0);
+        tight[0].placed = 20.0;
+        assert_eq!(rule.place(&a, &tight).unwrap().index, 0);
+        // While some target hosts no group, a group may open a second home.
+        let mut tight = with_cache(choices(&loads, &cached), 3072.0);
+        tight[3].homes = 0;
+        assert_eq!(rule.place(&a, &tight).unwrap().index, 1);
+        // A home holding less of the prompt than the pick is not pinned: busier, it
+        // loses.
+        let tight = with_cache(choices(&loads, &[0.0, 2000.0, 0.0, 0.0]), 3072.0);
+        assert_eq!(rule.place(&a, &tight).unwrap().index, 1);
+        // The overload guard still moves it: the home 6 beyond the least loaded.
+        let tight = with_cache(choices(&[7, 1, 2, 2], &cached), 3072.0);
+        let p = rule.place(&a, &tight).unwrap();
+        assert_ne!(p.index, 0);
     }
 
     #[test]

@@ -15,11 +15,14 @@
 //! new prefix together: the first is noted on its target when routed, and the rest see
 //! it there before the replica has computed a block. The placement keys and the
 //! conversation test come from the prompt (its bytes, or the gateway's summary of a long
-//! one), as for `cache_aware`. The replica's configured cache size (`kv_cache_tokens`)
+//! one), as for `cache_aware`, and so does the group's home (`group_homes`): under cache
+//! pressure exact residency shows a group's prefix wherever one of its conversations
+//! spilled, and without homes the group's new conversations spread over those replicas. The replica's configured cache size (`kv_cache_tokens`)
 //! tells the share bound where spilled work fits, and half of it less the blocks the
 //! stream reports resident is the room the load bound opens new homes in.
 
-use super::cache_aware::{previous_target, remember_target};
+use super::cache_aware::{group_home_of, previous_target, remember_target};
+use super::group_homes::GroupHomes;
 use super::placement::{Ask, Choice, PlacementRule};
 use super::{Decision, FleetView, Reason, RouteInput, SessionTable, Strategy};
 use crate::prefix::residency::{PrefixChain, ResidencyIndex};
@@ -42,10 +45,11 @@ pub struct KvView<'a> {
 }
 
 /// The precise cache-aware strategy.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PreciseCacheAware {
     rule: PlacementRule,
     conversations: Option<Arc<SessionTable>>,
+    groups: Option<GroupHomes>,
 }
 
 impl PreciseCacheAware {
@@ -54,6 +58,7 @@ impl PreciseCacheAware {
         PreciseCacheAware {
             rule,
             conversations: None,
+            groups: rule.group_homes.then(GroupHomes::default),
         }
     }
 
@@ -62,6 +67,12 @@ impl PreciseCacheAware {
     pub fn remembering(mut self, table: Arc<SessionTable>) -> Self {
         self.conversations = Some(table);
         self
+    }
+}
+
+impl Default for PreciseCacheAware {
+    fn default() -> Self {
+        PreciseCacheAware::new(PlacementRule::default())
     }
 }
 
@@ -145,7 +156,7 @@ impl Strategy for PreciseCacheAware {
                 new_work: false,
             });
         };
-        let choices: Vec<Choice> = held_tokens(tokens, fleet, input.now_ms)
+        let mut choices: Vec<Choice> = held_tokens(tokens, fleet, input.now_ms)
             .into_iter()
             .map(|(i, held)| Choice {
                 index: i,
@@ -155,6 +166,7 @@ impl Strategy for PreciseCacheAware {
                 cache_tokens: fleet.candidates[i].cache_tokens,
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
+                homes: 0,
             })
             .collect();
         let n = tokens.len() as f64;
@@ -172,7 +184,13 @@ impl Strategy for PreciseCacheAware {
             previous: previous.map(|(i, _)| i),
             // Residency comes from the replica's own events; peers' notes are cache_aware's.
             previous_from_peer: false,
-            group_home: None,
+            group_home: group_home_of(
+                self.groups.as_ref(),
+                keys.group,
+                fleet,
+                input.now_ms,
+                &mut choices,
+            ),
         };
         let placed = self.rule.place(&ask, &choices)?;
         super::explain::log_decision(&ask, &choices, &placed);
@@ -415,6 +433,95 @@ mod tests {
 
     /// Before any replica has announced a block, a burst of requests sharing a prefix
     /// follows the first one (the pending overlay), until the guard spreads it.
+    /// Under cache pressure a group's new conversations go to its home, not to another
+    /// group's home that holds the group's prefix because one conversation spilled there.
+    #[test]
+    fn under_cache_pressure_new_conversations_stay_on_their_group_home() {
+        let system = |g: u32| {
+            format!(
+                "Csystem\x1f{g} {}",
+                "You are a careful assistant. ".repeat(60)
+            )
+        };
+        let prompt = |n: u32| format!("{}\x1euser\x1fquestion {n}\x1e", system(0));
+        let tokens =
+            |n: u32| -> Vec<u32> { (0..2000).chain(9_000 + n * 40..9_040 + n * 40).collect() };
+        let labels = ["a", "b", "c", "d"];
+        let fleet = |idx: &'static [ResidencyIndex], loads: [u64; 4]| -> Vec<Candidate<'static>> {
+            (0..4)
+                .map(|i| Candidate {
+                    inflight: loads[i],
+                    eligible: true,
+                    weight: 1,
+                    prefix: None,
+                    label: labels[i],
+                    kv: Some(KvView {
+                        index: &idx[i],
+                        trusted: true,
+                        stream: None,
+                        pending: None,
+                    }),
+                    lmcache: None,
+                    placed: 0.0,
+                    // A cache of 3,072 tokens: less than two 2,040-token prompts.
+                    cache_tokens: 3072.0,
+                })
+                .collect()
+        };
+        let select = |s: &PreciseCacheAware, c: &[Candidate], n: u32, now_ms: u64| {
+            let (p, t) = (prompt(n), tokens(n));
+            let input = RouteInput {
+                prompt: p.as_bytes(),
+                token_ids: Some(&t),
+                now_ms,
+                ..Default::default()
+            };
+            s.select(&input, &FleetView::new(c)).unwrap().target
+        };
+        let empty: &'static [ResidencyIndex] =
+            Box::leak((0..4).map(|_| ResidencyIndex::new(1_000)).collect());
+        let homes = PreciseCacheAware::default();
+        // Three other groups, seen twice each: with this one, a home on every target.
+        for g in 1..4 {
+            for n in 0..2 {
+                let p = format!("{}\x1euser\x1fquestion {n}\x1e", system(g));
+                let input = RouteInput {
+                    prompt: p.as_bytes(),
+                    token_ids: Some(&[7; 64]),
+                    now_ms: 900,
+                    ..Default::default()
+                };
+                homes.select(&input, &FleetView::new(&fleet(empty, [0; 4])));
+            }
+        }
+        // Seen twice, the group has a home; a cold conversation at equal loads goes there.
+        select(&homes, &fleet(empty, [0; 4]), 0, 1_000);
+        select(&homes, &fleet(empty, [0; 4]), 1, 1_001);
+        let home = select(&homes, &fleet(empty, [0; 4]), 2, 1_002);
+        assert_eq!(select(&homes, &fleet(empty, [0; 4]), 3, 1_003), home);
+        // The home and another replica (where one conversation spilled) hold the prefix;
+        // the other is less busy.
+        let other = (home + 1) % 4;
+        let held: &'static [ResidencyIndex] = Box::leak(
+            (0..4)
+                .map(|i| {
+                    let blocks = if i == home || i == other { 500 } else { 0 };
+                    index_with(&tokens(0), blocks)
+                })
+                .collect(),
+        );
+        let mut loads = [2; 4];
+        loads[home] = 3;
+        loads[other] = 1;
+        assert_eq!(select(&homes, &fleet(held, loads), 4, 1_004), home);
+        // Without group homes the less busy holder takes it.
+        let no_homes = PreciseCacheAware::new(PlacementRule {
+            group_homes: false,
+            ..Default::default()
+        });
+        assert_eq!(select(&no_homes, &fleet(held, loads), 4, 1_004), other);
+    }
+
     #[test]
     fn a_burst_sharing_a_new_prefix_follows_the_first_request() {
         let idx: Vec<ResidencyIndex> = (0..3).map(|_| ResidencyIndex::new(100)).collect();
