@@ -271,25 +271,36 @@ mod tests {
         idx
     }
 
+    /// An eligible target seen through `index` (and `pending`), with `inflight` requests.
+    fn kv_candidate<'a>(
+        index: &'a ResidencyIndex,
+        pending: Option<&'a PendingBlocks>,
+        trusted: bool,
+        inflight: u64,
+        label: &'a str,
+    ) -> Candidate<'a> {
+        Candidate {
+            inflight,
+            eligible: true,
+            weight: 1,
+            prefix: None,
+            label,
+            kv: Some(KvView {
+                index,
+                trusted,
+                stream: None,
+                pending,
+            }),
+            lmcache: None,
+            placed: 0.0,
+            cache_tokens: 0.0,
+        }
+    }
+
     fn cands<'a>(idx: &'a [ResidencyIndex], loads: &[u64], trusted: &[bool]) -> Vec<Candidate<'a>> {
         idx.iter()
             .enumerate()
-            .map(|(i, index)| Candidate {
-                inflight: loads[i],
-                eligible: true,
-                weight: 1,
-                prefix: None,
-                label: "",
-                kv: Some(KvView {
-                    index,
-                    trusted: trusted[i],
-                    stream: None,
-                    pending: None,
-                }),
-                lmcache: None,
-                placed: 0.0,
-                cache_tokens: 0.0,
-            })
+            .map(|(i, index)| kv_candidate(index, None, trusted[i], loads[i], ""))
             .collect()
     }
 
@@ -450,21 +461,9 @@ mod tests {
         let fleet = |idx: &'static [ResidencyIndex], loads: [u64; 4]| -> Vec<Candidate<'static>> {
             (0..4)
                 .map(|i| Candidate {
-                    inflight: loads[i],
-                    eligible: true,
-                    weight: 1,
-                    prefix: None,
-                    label: labels[i],
-                    kv: Some(KvView {
-                        index: &idx[i],
-                        trusted: true,
-                        stream: None,
-                        pending: None,
-                    }),
-                    lmcache: None,
-                    placed: 0.0,
                     // A cache of 3,072 tokens: less than two 2,040-token prompts.
                     cache_tokens: 3072.0,
+                    ..kv_candidate(&idx[i], None, true, loads[i], labels[i])
                 })
                 .collect()
         };
@@ -535,22 +534,7 @@ mod tests {
             let mut tokens = shared.clone();
             tokens.extend(10_000 + user * 100..10_000 + user * 100 + 40);
             let c: Vec<Candidate> = (0..3)
-                .map(|i| Candidate {
-                    inflight: loads[i],
-                    eligible: true,
-                    weight: 1,
-                    prefix: None,
-                    label: labels[i],
-                    kv: Some(KvView {
-                        index: &idx[i],
-                        trusted: false,
-                        stream: None,
-                        pending: Some(&pending[i]),
-                    }),
-                    lmcache: None,
-                    placed: 0.0,
-                    cache_tokens: 0.0,
-                })
+                .map(|i| kv_candidate(&idx[i], Some(&pending[i]), false, loads[i], labels[i]))
                 .collect();
             let view = FleetView::new(&c);
             let input = RouteInput {
