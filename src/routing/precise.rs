@@ -17,9 +17,10 @@
 //! conversation test come from the prompt (its bytes, or the gateway's summary of a long
 //! one), as for `cache_aware`, and so does the group's home (`group_homes`): under cache
 //! pressure exact residency shows a group's prefix wherever one of its conversations
-//! spilled, and without homes the group's new conversations spread over those replicas. The replica's configured cache size (`kv_cache_tokens`)
-//! tells the share bound where spilled work fits, and half of it less the blocks the
-//! stream reports resident is the room the load bound opens new homes in.
+//! spilled, and without homes the group's new conversations spread over those replicas.
+//! The replica's configured cache size (`kv_cache_tokens`) tells the share bound where
+//! spilled work fits, and half of it less the blocks the stream reports resident is the
+//! room the load bound opens new homes in.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
 use super::group_homes::GroupHomes;
