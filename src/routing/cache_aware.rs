@@ -160,12 +160,11 @@ pub fn group_home_of(
 ) -> Option<GroupHome> {
     let groups = groups?;
     let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
-    let home = groups.note_and_home(group, &labels, now_ms);
-    let homes = groups.homes_per_target(&labels);
+    let view = groups.note_and_home(group, &labels, now_ms)?;
     for c in choices.iter_mut() {
-        c.homes = homes.get(c.index).copied().unwrap_or(0);
+        c.homes = view.homes_on(c.index);
     }
-    home
+    view.home
 }
 
 /// Store in `table` that the decision's conversation went to `target`.

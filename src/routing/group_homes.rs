@@ -112,11 +112,27 @@ impl Default for GroupHomes {
     }
 }
 
+/// What a request's lookup found in the published assignment: its group's home, and the
+/// assignment itself for how many groups live on each target.
+pub struct HomeView {
+    /// The group's home, if it has (or is expected to get) one.
+    pub home: Option<GroupHome>,
+    homes: arc_swap::Guard<Arc<Homes>>,
+}
+
+impl HomeView {
+    /// How many known groups live on the target at `index` (into the labels looked up).
+    pub fn homes_on(&self, index: usize) -> usize {
+        self.homes.count.get(index).copied().unwrap_or(0)
+    }
+}
+
 impl GroupHomes {
-    /// Count one request of `group` and return its home as an index into `labels` (the
+    /// Count one request of `group` and look up its home as an index into `labels` (the
     /// route's targets, eligible or not, in order): its assigned home once the group is
-    /// known, before that the target it would get if it joined the set last.
-    pub fn note_and_home(&self, group: u64, labels: &[&str], now_ms: u64) -> Option<GroupHome> {
+    /// known, before that the target it would get if it joined the set last. None until an
+    /// assignment over exactly these labels is published.
+    pub fn note_and_home(&self, group: u64, labels: &[&str], now_ms: u64) -> Option<HomeView> {
         let became_known = self.note(group, now_ms);
         let swept = self.swept_ms.load(Relaxed);
         let due = swept == 0 || now_ms >= swept.saturating_add(SWEEP_EVERY_MS);
@@ -142,21 +158,11 @@ impl GroupHomes {
         if !current {
             return None;
         }
-        match homes.home.get(&group) {
+        let home = match homes.home.get(&group) {
             Some(&h) => Some(GroupHome::Known(h)),
             None => homes.expected_home(group).map(GroupHome::Expected),
-        }
-    }
-
-    /// How many known groups live on each of `labels` (the route's targets, in order) in the
-    /// published assignment; all 0 until one is published over exactly these labels.
-    pub fn homes_per_target(&self, labels: &[&str]) -> Vec<usize> {
-        let homes = self.homes.load();
-        if homes.computed_over(labels) {
-            homes.count.clone()
-        } else {
-            vec![0; labels.len()]
-        }
+        };
+        Some(HomeView { home, homes })
     }
 
     /// Note a request of `group`; true when it made the group known (its second).
@@ -241,10 +247,15 @@ mod tests {
 
     const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
 
+    /// Note a request of group `g` and return its home.
+    fn home(h: &GroupHomes, g: u64, labels: &[&str], now: u64) -> Option<GroupHome> {
+        h.note_and_home(g, labels, now).and_then(|v| v.home)
+    }
+
     fn seen_twice(h: &GroupHomes, groups: impl IntoIterator<Item = u64>, now: u64) {
         for g in groups {
-            h.note_and_home(g, &LABELS, now);
-            h.note_and_home(g, &LABELS, now);
+            home(h, g, &LABELS, now);
+            home(h, g, &LABELS, now);
         }
     }
 
@@ -253,21 +264,21 @@ mod tests {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3], 10);
         let free = (0..4)
-            .find(|&i| (1..=3).all(|g| h.note_and_home(g, &LABELS, 10) != Some(Known(i))))
+            .find(|&i| (1..=3).all(|g| home(&h, g, &LABELS, 10) != Some(Known(i))))
             .unwrap();
         let top = |g: u64| (0..4).max_by_key(|&i| rendezvous(g, LABELS[i])).unwrap();
         // A new group (a larger key than any known) whose rendezvous choice is the target
         // without a home first goes there, and keeps it once known.
         let g = (4..).find(|&g| top(g) == free).unwrap();
-        assert_eq!(h.note_and_home(g, &LABELS, 10), Some(Expected(free)));
+        assert_eq!(home(&h, g, &LABELS, 10), Some(Expected(free)));
         assert_eq!(h.known(), vec![1, 2, 3]);
-        assert_eq!(h.note_and_home(g, &LABELS, 10), Some(Known(free)));
+        assert_eq!(home(&h, g, &LABELS, 10), Some(Known(free)));
         // New groups whose rendezvous choice has a home name none: one-off prompts must
         // not all pile onto the one target without a home.
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3], 10);
         for g in (1000..1100).filter(|&g| top(g) != free) {
-            assert_eq!(h.note_and_home(g, &LABELS, 10), None, "group {g}");
+            assert_eq!(home(&h, g, &LABELS, 10), None, "group {g}");
         }
     }
 
@@ -279,7 +290,7 @@ mod tests {
             seen_twice(&h, groups.iter().copied(), 10);
             let mut homes: Vec<usize> = groups
                 .iter()
-                .map(|&g| match h.note_and_home(g, &LABELS, 10) {
+                .map(|&g| match home(&h, g, &LABELS, 10) {
                     Some(Known(i)) => i,
                     other => panic!("{other:?}"),
                 })
@@ -298,8 +309,8 @@ mod tests {
             seen_twice(&b, groups.iter().rev().copied(), 10);
             for &g in &groups {
                 assert_eq!(
-                    a.note_and_home(g, &LABELS, 20),
-                    b.note_and_home(g, &LABELS, 20),
+                    home(&a, g, &LABELS, 20),
+                    home(&b, g, &LABELS, 20),
                     "seed {seed}"
                 );
             }
@@ -336,15 +347,15 @@ mod tests {
     fn a_forgotten_group_loses_its_home_and_frees_its_target() {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3, 4], 10);
-        let home_of_1 = h.note_and_home(1, &LABELS, 10).unwrap();
+        let home_of_1 = home(&h, 1, &LABELS, 10).unwrap();
         // 1 stays in use; 2, 3, 4 are not seen again.
         let later = 10 + FORGET_AFTER_MS / 2;
-        h.note_and_home(1, &LABELS, later);
+        home(&h, 1, &LABELS, later);
         let much_later = later + FORGET_AFTER_MS / 2 + SWEEP_EVERY_MS;
-        assert_eq!(h.note_and_home(1, &LABELS, much_later), Some(home_of_1));
+        assert_eq!(home(&h, 1, &LABELS, much_later), Some(home_of_1));
         assert_eq!(h.known(), vec![1]);
         assert!(matches!(
-            h.note_and_home(5, &LABELS, much_later),
+            home(&h, 5, &LABELS, much_later),
             Some(Expected(_))
         ));
     }
@@ -354,13 +365,13 @@ mod tests {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3], 10);
         let before = h.homes.load_full();
-        h.note_and_home(1, &LABELS, 10 + 2 * SWEEP_EVERY_MS);
+        home(&h, 1, &LABELS, 10 + 2 * SWEEP_EVERY_MS);
         assert!(
             Arc::ptr_eq(&before, &h.homes.load_full()),
             "rebuilt for nothing"
         );
         // A group forgotten by a sweep is a change.
-        h.note_and_home(1, &LABELS, 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS);
+        home(&h, 1, &LABELS, 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS);
         assert!(!Arc::ptr_eq(&before, &h.homes.load_full()));
         assert_eq!(h.homes.load().groups, 1);
     }
@@ -373,17 +384,17 @@ mod tests {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2], 10);
         let half = 10 + FORGET_AFTER_MS / 2;
-        h.note_and_home(1, &LABELS, half);
+        home(&h, 1, &LABELS, half);
         {
             let _busy = h.rebuild.lock();
             seen_twice(&h, [3], half);
         }
-        assert!(!matches!(h.note_and_home(3, &LABELS, half), Some(Known(_))));
+        assert!(!matches!(home(&h, 3, &LABELS, half), Some(Known(_))));
         // This sweep forgets 2: {1, 3} has as many groups as the published {1, 2}.
         let later = 10 + FORGET_AFTER_MS + SWEEP_EVERY_MS;
-        h.note_and_home(1, &LABELS, later);
+        home(&h, 1, &LABELS, later);
         assert_eq!(h.known(), vec![1, 3]);
-        assert!(matches!(h.note_and_home(3, &LABELS, later), Some(Known(_))));
+        assert!(matches!(home(&h, 3, &LABELS, later), Some(Known(_))));
     }
 
     #[test]
@@ -391,7 +402,7 @@ mod tests {
         let h = GroupHomes::default();
         seen_twice(&h, [1, 2, 3], 10);
         let three = &LABELS[..3];
-        let Some(Known(home)) = h.note_and_home(1, three, 11) else {
+        let Some(Known(home)) = home(&h, 1, three, 11) else {
             panic!("group 1 is known");
         };
         assert!(home < 3);
@@ -401,7 +412,7 @@ mod tests {
     fn the_table_is_bounded_and_one_off_prompts_stay_out_of_it() {
         let h = GroupHomes::default();
         for g in 1..=(3 * MAX_GROUPS as u64) {
-            h.note_and_home(g, &LABELS, 10);
+            home(&h, g, &LABELS, 10);
         }
         assert_eq!(h.seen.len(), 0);
         seen_twice(&h, 1..=(MAX_GROUPS as u64 + 100), 10);
