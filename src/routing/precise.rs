@@ -443,8 +443,6 @@ mod tests {
         assert_eq!(room_tokens(&c[2]), 0.0);
     }
 
-    /// Before any replica has announced a block, a burst of requests sharing a prefix
-    /// follows the first one (the pending overlay), until the guard spreads it.
     /// Under cache pressure a group's new conversations go to its home, not to another
     /// group's home that holds the group's prefix because one conversation spilled there.
     #[test]
@@ -522,6 +520,8 @@ mod tests {
         assert_eq!(select(&no_homes, &fleet(held, loads), 4, 1_004), other);
     }
 
+    /// Before any replica has announced a block, a burst of requests sharing a prefix
+    /// follows the first one (the pending overlay), until the guard spreads it.
     #[test]
     fn a_burst_sharing_a_new_prefix_follows_the_first_request() {
         let idx: Vec<ResidencyIndex> = (0..3).map(|_| ResidencyIndex::new(100)).collect();
