@@ -358,8 +358,13 @@ impl PlacementRule {
                 // The cost rule weighs their loads; preferring those within `load_bound`
                 // lost hit rate under cache pressure.
                 let share_cap = self.share_cap(choices);
-                let hosts =
-                    |c: &&Choice| c.placed <= share_cap && self.can_host(c, tokens, &counted);
+                let own_home = match ask.group_home {
+                    Some(GroupHome::Known(h) | GroupHome::Expected(h)) => Some(h),
+                    None => None,
+                };
+                let hosts = |c: &&Choice| {
+                    c.placed <= share_cap && self.can_host(c, tokens, &counted, own_home)
+                };
                 let other = (pick.placed > share_cap && !pinned_home)
                     .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
                     .flatten();
@@ -433,11 +438,20 @@ impl PlacementRule {
         cap.max(q_min + 2)
     }
 
-    /// Whether `c` can take a prompt of `tokens` as new work past another target's share: it
-    /// holds the prompt's prefix, or its cache (if known) holds the prompt twice (the group
-    /// living there and this one).
-    fn can_host(&self, c: &Choice, tokens: f64, counted: &impl Fn(&Choice) -> f64) -> bool {
-        counted(c) > 0.0 || !crowded(c, tokens)
+    /// Whether `c` can take a prompt of `tokens` as new work past another target's share: its
+    /// cache (if known) holds the prompt twice (the group living there and this one), or it
+    /// holds the prompt's prefix and is no other group's home. Under cache pressure a
+    /// replica still holds the head of a group's prompt a while after a conversation of it
+    /// was moved there (exact residency shows it); where another group lives, sending that
+    /// group's new conversations after it has the two groups evict each other.
+    fn can_host(
+        &self,
+        c: &Choice,
+        tokens: f64,
+        counted: &impl Fn(&Choice) -> f64,
+        own_home: Option<usize>,
+    ) -> bool {
+        !crowded(c, tokens) || (counted(c) > 0.0 && (c.homes == 0 || Some(c.index) == own_home))
     }
 
     /// Most new work a target may have been given recently and still take more:
@@ -843,6 +857,24 @@ mod tests {
             assert_eq!(rule.place(&a, &with_cache(3000.0)).unwrap().index, 0);
             let p = rule.place(&a, &with_cache(8000.0)).unwrap();
             assert_eq!(p.reason, Reason::ShareBound, "key {key}");
+        }
+        // 1 still holds the group's prompt (a conversation of it was moved there) but is
+        // another group's home: with 3,000-token caches the prompt stays home all the same.
+        // A target hosting no group that holds the prompt takes it.
+        let held = |homes_on_1: usize| {
+            let mut c = with_cache(3000.0);
+            c[1].cached_tokens = 2000.0;
+            for (i, c) in c.iter_mut().enumerate() {
+                c.homes = usize::from(i != 1 || homes_on_1 > 0);
+            }
+            c
+        };
+        for key in 0..50 {
+            let mut a = ask(2060.0, 2000.0, key);
+            a.group_home = Some(GroupHome::Known(0));
+            assert_eq!(rule.place(&a, &held(1)).unwrap().index, 0, "key {key}");
+            let p = rule.place(&a, &held(0)).unwrap();
+            assert_eq!((p.index, p.reason), (1, Reason::ShareBound), "key {key}");
         }
     }
 
