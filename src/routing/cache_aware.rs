@@ -150,17 +150,22 @@ pub fn previous_target(
 }
 
 /// With group homes on (`groups`): the home named for `group` among the fleet's targets
-/// (noting the sighting), and in `choices` how many groups live on each.
+/// (noting the sighting; the group is held somewhere when a target holds half its first
+/// message of `first_message_tokens`), and in `choices` how many groups live on each.
 pub fn group_home_of(
     groups: Option<&GroupHomes>,
     group: u64,
+    first_message_tokens: f64,
     fleet: &FleetView,
     now_ms: u64,
     choices: &mut [Choice],
 ) -> Option<GroupHome> {
     let groups = groups?;
     let labels: Vec<&str> = fleet.candidates.iter().map(|c| c.label).collect();
-    let view = groups.note_and_home(group, &labels, now_ms)?;
+    let held = choices
+        .iter()
+        .any(|c| c.cached_tokens > 0.0 && c.cached_tokens >= first_message_tokens / 2.0);
+    let view = groups.note_and_home(group, &labels, held, now_ms)?;
     for c in choices.iter_mut() {
         c.homes = view.homes_on(c.index);
     }
@@ -250,15 +255,17 @@ impl Strategy for CacheAware {
         let (keys, first_len) = input.placement();
         let keys = keys.with_session(input.session_id);
         let previous = previous_target(self.conversations.as_deref(), keys, input, fleet);
+        let first_message_tokens = first_len as f64 / self.bytes_per_token;
         let ask = Ask {
             tokens: len / self.bytes_per_token,
-            first_message_tokens: first_len as f64 / self.bytes_per_token,
+            first_message_tokens,
             keys,
             previous: previous.map(|(i, _)| i),
             previous_from_peer: previous.is_some_and(|(_, peer)| peer),
             group_home: group_home_of(
                 self.groups.as_ref(),
                 keys.group,
+                first_message_tokens,
                 fleet,
                 input.now_ms,
                 &mut choices,

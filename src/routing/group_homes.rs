@@ -14,7 +14,13 @@
 //! joining or leaving moves few others' homes, as a moved home costs the fleet a prefill
 //! of that group's prefix on its new home. A group counts once it has been seen twice (a
 //! one-off prompt is not a group) and is forgotten [`FORGET_AFTER_MS`] after its last
-//! request.
+//! request. In the opening [`OPENING_MS`] after the first request (a start or a reload), a
+//! group no target holds counts from its first request, up to as many groups as targets:
+//! a cold start's
+//! burst brings the groups within milliseconds, and counted one by one at their second
+//! request, a group counted later can take the home another has already sent several
+//! conversations to (the set's key order decides, not arrival), leaving those
+//! conversations on a replica that now hosts another group.
 //!
 //! Owns the seen-group table and the published assignment. Must not decide placement (the
 //! rule in `placement` weighs the home against cache and load) nor do I/O; time is passed
@@ -42,6 +48,9 @@ pub const SWEEP_EVERY_MS: u64 = 1_000;
 const FIRST_SIGHT_SLOTS: usize = 4096;
 /// A known group's last-seen time is rewritten at most this often.
 const SEEN_REFRESH_MS: u64 = 1_000;
+/// How long after the first request a group counts from its first request (up to as many
+/// groups as targets).
+pub const OPENING_MS: u64 = 500;
 
 /// A published assignment: the labels it was computed over, and group -> label index.
 #[derive(Debug, Default)]
@@ -97,6 +106,8 @@ pub struct GroupHomes {
     swept_ms: AtomicU64,
     /// Held while rebuilding.
     rebuild: Mutex<()>,
+    /// Time of the first request noted (ms; 0 = none yet): the opening runs from it.
+    opened_ms: AtomicU64,
 }
 
 impl Default for GroupHomes {
@@ -108,6 +119,7 @@ impl Default for GroupHomes {
             homes: ArcSwap::from_pointee(Homes::default()),
             swept_ms: AtomicU64::new(0),
             rebuild: Mutex::new(()),
+            opened_ms: AtomicU64::new(0),
         }
     }
 }
@@ -130,10 +142,17 @@ impl HomeView {
 impl GroupHomes {
     /// Count one request of `group` and look up its home as an index into `labels` (the
     /// route's targets, eligible or not, in order): its assigned home once the group is
-    /// known, before that the target it would get if it joined the set last. None until an
-    /// assignment over exactly these labels is published.
-    pub fn note_and_home(&self, group: u64, labels: &[&str], now_ms: u64) -> Option<HomeView> {
-        let became_known = self.note(group, now_ms);
+    /// known, before that the target it would get if it joined the set last. `held`: some
+    /// target's view holds the group's prefix (a group new to the fleet has none). None
+    /// until an assignment over exactly these labels is published.
+    pub fn note_and_home(
+        &self,
+        group: u64,
+        labels: &[&str],
+        held: bool,
+        now_ms: u64,
+    ) -> Option<HomeView> {
+        let became_known = self.note(group, labels.len(), held, now_ms);
         let swept = self.swept_ms.load(Relaxed);
         let due = swept == 0 || now_ms >= swept.saturating_add(SWEEP_EVERY_MS);
         let mut homes = self.homes.load();
@@ -165,8 +184,10 @@ impl GroupHomes {
         Some(HomeView { home, homes })
     }
 
-    /// Note a request of `group`; true when it made the group known (its second).
-    fn note(&self, group: u64, now_ms: u64) -> bool {
+    /// Note a request of `group` on a route with `targets` targets; true when it made the
+    /// group known (its second, or in the opening its first if no target holds it).
+    fn note(&self, group: u64, targets: usize, held: bool, now_ms: u64) -> bool {
+        let opened = self.opened_at(now_ms);
         if let Some(last) = self.seen.get(&group) {
             if last.load(Relaxed).saturating_add(SEEN_REFRESH_MS) <= now_ms {
                 last.store(now_ms, Relaxed);
@@ -175,13 +196,32 @@ impl GroupHomes {
         }
         // Group keys are XXH3 hashes (`PlacementKeys`): their low bits pick the slot.
         let slot = &self.first_sight[group as usize % FIRST_SIGHT_SLOTS];
-        if slot.swap(group, Relaxed) != group || self.seen.len() >= MAX_GROUPS {
+        let seen_before = slot.swap(group, Relaxed) == group;
+        let opening =
+            !held && now_ms < opened.saturating_add(OPENING_MS) && self.seen.len() < targets;
+        if !(seen_before || opening) || self.seen.len() >= MAX_GROUPS {
             return false;
         }
         if self.seen.insert(group, AtomicU64::new(now_ms)).is_none() {
             self.seen_xor.fetch_xor(group, Relaxed);
         }
         true
+    }
+
+    /// When the opening began: the time of the first request noted (`now_ms` if this is
+    /// it).
+    fn opened_at(&self, now_ms: u64) -> u64 {
+        let opened = self.opened_ms.load(Relaxed);
+        if opened != 0 {
+            return opened;
+        }
+        match self
+            .opened_ms
+            .compare_exchange(0, now_ms.max(1), Relaxed, Relaxed)
+        {
+            Ok(_) => now_ms.max(1),
+            Err(opened) => opened,
+        }
     }
 
     /// Forget groups silent for [`FORGET_AFTER_MS`].
@@ -249,7 +289,12 @@ mod tests {
 
     /// Note a request of group `g` and return its home.
     fn home(h: &GroupHomes, g: u64, labels: &[&str], now: u64) -> Option<GroupHome> {
-        h.note_and_home(g, labels, now).and_then(|v| v.home)
+        h.note_and_home(g, labels, true, now).and_then(|v| v.home)
+    }
+
+    /// `home` for a group no target holds yet.
+    fn home_new(h: &GroupHomes, g: u64, now: u64) -> Option<GroupHome> {
+        h.note_and_home(g, &LABELS, false, now).and_then(|v| v.home)
     }
 
     fn seen_twice(h: &GroupHomes, groups: impl IntoIterator<Item = u64>, now: u64) {
@@ -280,6 +325,32 @@ mod tests {
         for g in (1000..1100).filter(|&g| top(g) != free) {
             assert_eq!(home(&h, g, &LABELS, 10), None, "group {g}");
         }
+    }
+
+    /// In a cold start's burst the groups arrive within milliseconds: each counts from its
+    /// first request, so the set is whole as soon as every group has been seen once. Up to
+    /// as many groups as targets, within the opening, and only groups no target holds.
+    #[test]
+    fn in_the_opening_a_group_no_target_holds_is_known_from_its_first_request() {
+        let h = GroupHomes::default();
+        let t0 = 1_000;
+        for g in 1..=4 {
+            assert!(
+                matches!(home_new(&h, g, t0 + g), Some(Known(_))),
+                "group {g}"
+            );
+        }
+        // A fifth group: more groups than targets, so one-off prompts can fill no more.
+        assert!(!matches!(home_new(&h, 5, t0 + 5), Some(Known(_))));
+        assert!(matches!(home_new(&h, 5, t0 + 6), Some(Known(_))));
+        // A group some target holds counts from its second request, opening or not.
+        let h = GroupHomes::default();
+        assert!(!matches!(home(&h, 7, &LABELS, t0), Some(Known(_))));
+        assert!(matches!(home(&h, 7, &LABELS, t0), Some(Known(_))));
+        // After the opening, a new group counts from its second request.
+        let after = t0 + OPENING_MS;
+        assert!(!matches!(home_new(&h, 8, after), Some(Known(_))));
+        assert!(matches!(home_new(&h, 8, after), Some(Known(_))));
     }
 
     #[test]

@@ -188,6 +188,7 @@ impl Strategy for PreciseCacheAware {
             group_home: group_home_of(
                 self.groups.as_ref(),
                 keys.group,
+                first_message_tokens,
                 fleet,
                 input.now_ms,
                 &mut choices,
