@@ -16,10 +16,9 @@
 //! one-off prompt is not a group) and is forgotten [`FORGET_AFTER_MS`] after its last
 //! request. In the opening [`OPENING_MS`] after the first request (a start or a reload), a
 //! group no target holds counts from its first request, up to as many groups as targets:
-//! a cold start's
-//! burst brings the groups within milliseconds, and counted one by one at their second
-//! request, a group counted later can take the home another has already sent several
-//! conversations to (the set's key order decides, not arrival), leaving those
+//! a cold start's burst brings the groups within milliseconds, and counted one by one at
+//! their second request, a group counted later can take the home another has already sent
+//! several conversations to (the set's key order decides, not arrival), leaving those
 //! conversations on a replica that now hosts another group.
 //!
 //! Owns the seen-group table and the published assignment. Must not decide placement (the
