@@ -861,19 +861,19 @@ mod tests {
         // 1 still holds the group's prompt (a conversation of it was moved there) but is
         // another group's home: with 3,000-token caches the prompt stays home all the same.
         // A target hosting no group that holds the prompt takes it.
-        let held = |homes_on_1: usize| {
+        let held = |one_hosts_a_group: bool| {
             let mut c = with_cache(3000.0);
             c[1].cached_tokens = 2000.0;
             for (i, c) in c.iter_mut().enumerate() {
-                c.homes = usize::from(i != 1 || homes_on_1 > 0);
+                c.homes = usize::from(i != 1 || one_hosts_a_group);
             }
             c
         };
         for key in 0..50 {
             let mut a = ask(2060.0, 2000.0, key);
             a.group_home = Some(GroupHome::Known(0));
-            assert_eq!(rule.place(&a, &held(1)).unwrap().index, 0, "key {key}");
-            let p = rule.place(&a, &held(0)).unwrap();
+            assert_eq!(rule.place(&a, &held(true)).unwrap().index, 0, "key {key}");
+            let p = rule.place(&a, &held(false)).unwrap();
             assert_eq!((p.index, p.reason), (1, Reason::ShareBound), "key {key}");
         }
     }
