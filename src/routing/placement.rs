@@ -30,7 +30,10 @@
 //!    margin. An overloaded winner is replaced by the cheapest target within
 //!    `balance_abs / 2` of `q_min` (reason `overloaded`), which for a hot system prompt
 //!    usually opens a second home for its group: later new conversations then spread
-//!    over both at the cost of their first user message.
+//!    over both at the cost of their first user message. New work whose winner holds its
+//!    prefix, when that target holds none of it and its cache holds two prompts (opening
+//!    a home there costs the whole prefix and keeps costing the group's later
+//!    conversations), gets [`NEW_HOME_MARGIN`] × `balance_abs` instead.
 //! 5. A conversation whose history no view holds any more is kept by the target that
 //!    served its last turn (`Ask::previous`, remembered by the caller), if that target
 //!    holds some of the prompt and as much as any (when no view holds any of it, the
@@ -55,10 +58,14 @@
 //! 8. Bounded share (`share_bound`): new work (its group's home included) skips a target
 //!    already given more than `share_bound` × the mean of the new work recently placed
 //!    on each eligible target (`Choice::placed`; never below the least-given target's
-//!    count + [`SHARE_SLACK`]), going to the cheapest target within the bound even if it
-//!    must prefill the prefix, when its cache holds twice the prompt
-//!    (`Choice::cache_tokens`): conversations bring their later turns, so evening out the
-//!    new ones evens out the requests each target serves.
+//!    count + the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean), going to
+//!    the cheapest target within the bound even if it must prefill the prefix, when its
+//!    cache holds twice the prompt (`Choice::cache_tokens`): conversations bring their
+//!    later turns, so evening out the new ones evens out the requests each target serves.
+//!    A target that must prefill the prefix takes the spill only if it was given no more
+//!    than the mean and at most [`NEW_HOME_GIVEN_SLACK`] more than the least-given
+//!    target able to: a group's second home goes where there is room for it, and does
+//!    not push that target's own group over the bound in turn.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
@@ -88,6 +95,18 @@ pub const DEFAULT_SHARE_BOUND: f64 = 1.15;
 /// New work beyond the least-given target's recent count that any target may take before
 /// `share_bound` applies: at low traffic a few conversations are no imbalance.
 pub const SHARE_SLACK: f64 = 4.0;
+/// The share bound's slack in standard deviations of a fair share: a target's count of
+/// `n` conversations dealt at random varies by about √n, so below this many √mean beyond
+/// the least-given target an excess is chance, and a spill for it opens a second home
+/// (a cold prefix) the traffic does not need.
+pub const SHARE_NOISE_SIGMAS: f64 = 2.0;
+/// How much more new work than the least-given target able to host it a target that must
+/// prefill the prompt's prefix may have been given and still take a share-bound spill.
+pub const NEW_HOME_GIVEN_SLACK: f64 = 1.0;
+/// The overload margin, in `balance_abs`, for new work that would leave a target holding
+/// its prefix for one that holds none of it and has room for it beside another prompt:
+/// that move opens a home (the whole prefix, then the group's next conversations there).
+pub const NEW_HOME_MARGIN: f64 = 1.5;
 /// Default of `group_homes`.
 pub const DEFAULT_GROUP_HOMES: bool = true;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
@@ -362,8 +381,23 @@ impl PlacementRule {
                     Some(GroupHome::Known(h) | GroupHome::Expected(h)) => Some(h),
                     None => None,
                 };
-                let hosts = |c: &&Choice| {
+                let can_take = |c: &&Choice| {
                     c.placed <= share_cap && self.can_host(c, tokens, &counted, own_home)
+                };
+                // A target that must prefill the prefix takes the spill only where there is
+                // room: given no more than the mean, and about as little as any that can.
+                let mean_given =
+                    choices.iter().map(|c| c.placed).sum::<f64>() / choices.len() as f64;
+                let least_given = choices
+                    .iter()
+                    .filter(can_take)
+                    .map(|c| c.placed)
+                    .fold(f64::INFINITY, f64::min);
+                let hosts = |c: &&Choice| {
+                    can_take(c)
+                        && (counted(c) > 0.0
+                            || (c.placed <= mean_given
+                                && c.placed <= least_given + NEW_HOME_GIVEN_SLACK))
                 };
                 let other = (pick.placed > share_cap && !pinned_home)
                     .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
@@ -394,14 +428,23 @@ impl PlacementRule {
         };
         if self.overloaded(pick.inflight, q_min, margin) {
             let light = q_min + self.balance_abs / 2;
-            pick = self.cheapest(
+            let other = self.cheapest(
                 ask,
                 choices.iter().filter(|c| c.inflight <= light),
                 &cost,
                 &counted,
             )?;
-            if best_cached > 0.0 {
-                reason = Reason::Overloaded;
+            // New work leaving its prefix for a target with room for it beside another
+            // prompt opens a home there: a wider margin. Where the cache cannot hold two
+            // prompts the plain one: the group's home there is already the busiest.
+            let opens_home =
+                new_work && counted(pick) > 0.0 && counted(other) == 0.0 && !crowded(other, tokens);
+            let wide = (self.balance_abs as f64 * NEW_HOME_MARGIN) as u64;
+            if !opens_home || self.overloaded(pick.inflight, q_min, wide.max(margin)) {
+                pick = other;
+                if best_cached > 0.0 {
+                    reason = Reason::Overloaded;
+                }
             }
         }
         Some(Placed {
@@ -456,7 +499,8 @@ impl PlacementRule {
 
     /// Most new work a target may have been given recently and still take more:
     /// `share_bound` × the eligible targets' mean, and never below the least-given target's
-    /// count plus [`SHARE_SLACK`]. Infinite when the bound is off.
+    /// count plus the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean.
+    /// Infinite when the bound is off.
     pub fn share_cap(&self, choices: &[Choice]) -> f64 {
         if self.share_bound <= 0.0 || choices.is_empty() {
             return f64::INFINITY;
@@ -466,7 +510,9 @@ impl PlacementRule {
             .iter()
             .map(|c| c.placed)
             .fold(f64::INFINITY, f64::min);
-        (self.share_bound * total / choices.len() as f64).max(least + SHARE_SLACK)
+        let mean = total / choices.len() as f64;
+        let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * mean.sqrt());
+        (self.share_bound * mean).max(least + slack)
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -583,16 +629,28 @@ mod tests {
     fn the_warm_target_wins_until_its_queue_costs_more_than_the_prefill() {
         let rule = rule();
         // A 2,000-token prompt cached on 0 only: 0 keeps it while 2,000 tokens of prefill
-        // outweigh λ × the extra queue.
-        for extra in 0..=5 {
+        // outweigh λ × the extra queue. Moving would open a home for the prompt on a target
+        // with room for it (caches unknown count as big): the guard's margin is
+        // NEW_HOME_MARGIN × `balance_abs` = 7.
+        let a = ask(2000.0, 1995.0, 7);
+        for extra in 0..=7 {
             let c = choices(&[extra, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
-            let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
+            let p = rule.place(&a, &c).unwrap();
             assert_eq!((p.index, p.reason), (0, Reason::CacheHit), "extra {extra}");
         }
-        // 6 beyond the least loaded is past the guard (`balance_abs` 5): a new
-        // conversation moves.
-        let c = choices(&[6, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
-        let p = rule.place(&ask(2000.0, 1995.0, 7), &c).unwrap();
+        let c = choices(&[8, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+        let p = rule.place(&a, &c).unwrap();
+        assert_ne!(p.index, 0);
+        assert_eq!(p.reason, Reason::Overloaded);
+        // Where the others' caches cannot hold a second 2,000-token prompt, the plain
+        // margin (`balance_abs` 5): 6 beyond the least loaded moves it.
+        let crowded = |extra: u64| {
+            let mut c = choices(&[extra, 0, 0, 0], &[2000.0, 0.0, 0.0, 0.0]);
+            c.iter_mut().for_each(|c| c.cache_tokens = 3000.0);
+            c
+        };
+        assert_eq!(rule.place(&a, &crowded(5)).unwrap().index, 0);
+        let p = rule.place(&a, &crowded(6)).unwrap();
         assert_ne!(p.index, 0);
         assert_eq!(p.reason, Reason::Overloaded);
     }
@@ -785,7 +843,8 @@ mod tests {
             ..rule()
         };
         // 0 holds the group's prompt and is its home. New work given so far: mean 32.5, so
-        // a target may have been given 1.15 × 32.5 = 37.4 and still take more.
+        // a target may have been given 1.15 × 32.5 = 37.4, or the least given (31) plus
+        // 2 × √32.5 = 42.4, and still take more.
         let cached = [2000.0, 0.0, 0.0, 0.0];
         let mut a = ask(2060.0, 2000.0, 9);
         a.group_home = Some(GroupHome::Known(0));
@@ -794,7 +853,7 @@ mod tests {
         assert_eq!((p.index, p.reason, p.new_work), (0, Reason::CacheHit, true));
         // Past it, the new conversation opens a home elsewhere though it must prefill the
         // group's prompt there: the cheapest target within the bound (the least loaded).
-        let given = [40.0, 30.0, 30.0, 30.0];
+        let given = [48.0, 30.0, 30.0, 30.0];
         let past = with_placed(choices(&[0, 2, 0, 2], &cached), &given);
         for key in 0..50 {
             let mut a = ask(2060.0, 2000.0, key);
@@ -845,7 +904,7 @@ mod tests {
         // 0 is the group's home and past its share; the others hold other groups. With
         // caches of 3,000 tokens a second 2,060-token prompt would evict the group living
         // there: the prompt stays home. With 8,000 it spills.
-        let given = [40.0, 30.0, 30.0, 30.0];
+        let given = [48.0, 30.0, 30.0, 30.0];
         let cached = [2000.0, 0.0, 0.0, 0.0];
         let with_cache = |tokens: f64| {
             let mut c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
@@ -896,6 +955,55 @@ mod tests {
             &[slack + 1.0, 0.0, 0.0, 0.0],
         );
         assert_ne!(rule.place(&a, &past).unwrap().index, 0);
+    }
+
+    #[test]
+    fn an_excess_within_chance_opens_no_second_home() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // Traced on multi-turn (seed 42): 47 conversations in, the home of a group with a
+        // quarter of the traffic had been given 14 and the others 12, 9 and 12. Past
+        // 1.15 × the mean (13.5) and the least given + 4, but within 2 × √11.75 = 6.9 of
+        // the least given: chance, not a share the group needs more homes for.
+        let cached = [2000.0, 0.0, 0.0, 0.0];
+        let mut a = ask(2060.0, 2000.0, 5);
+        a.group_home = Some(GroupHome::Known(0));
+        let early = with_placed(choices(&[0, 0, 0, 0], &cached), &[14.0, 12.0, 9.0, 12.0]);
+        assert_eq!(rule.place(&a, &early).unwrap().index, 0);
+        // 17 is past 9 + 2 × √12.5 = 16.1: it spills.
+        let past = with_placed(choices(&[0, 0, 0, 0], &cached), &[17.0, 12.0, 9.0, 12.0]);
+        assert_eq!(rule.place(&a, &past).unwrap().reason, Reason::ShareBound);
+    }
+
+    #[test]
+    fn a_share_bound_spill_opens_a_home_where_least_was_given() {
+        let rule = PlacementRule {
+            share_bound: 1.15,
+            ..rule()
+        };
+        // 3 is the busiest group's home, past its share; no other target holds its prompt.
+        // 0 is within the bound but above the mean (18.5), 1 below it but more than one
+        // beyond the least given: the group's second home opens on 2, whatever the key,
+        // and does not push 0's or 1's own group past the bound in turn.
+        let given = [20.0, 17.0, 11.0, 26.0];
+        let mut cached = [0.0, 0.0, 0.0, 2000.0];
+        for key in 0..50 {
+            let mut a = ask(2060.0, 2000.0, key);
+            a.group_home = Some(GroupHome::Known(3));
+            let c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
+            let p = rule.place(&a, &c).unwrap();
+            assert_eq!((p.index, p.reason), (2, Reason::ShareBound), "key {key}");
+        }
+        // A target already holding the prompt (its second home) takes it without a prefill,
+        // though it was given more.
+        cached[1] = 2000.0;
+        let mut a = ask(2060.0, 2000.0, 3);
+        a.group_home = Some(GroupHome::Known(3));
+        let c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
+        let p = rule.place(&a, &c).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::ShareBound));
     }
 
     #[test]
