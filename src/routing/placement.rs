@@ -436,7 +436,8 @@ impl PlacementRule {
             )?;
             // New work leaving its prefix for a target with room for it beside another
             // prompt opens a home there: a wider margin. Where the cache cannot hold two
-            // prompts the plain one: the group's home there is already the busiest.
+            // prompts the plain one: there the hottest group's home is the busiest
+            // replica, and a longer wait on it cost more TTFT than the hits it kept.
             let opens_home =
                 new_work && counted(pick) > 0.0 && counted(other) == 0.0 && !crowded(other, tokens);
             let wide = (self.balance_abs as f64 * NEW_HOME_MARGIN) as u64;
@@ -957,19 +958,31 @@ mod tests {
         assert_ne!(rule.place(&a, &past).unwrap().index, 0);
     }
 
-    #[test]
-    fn an_excess_within_chance_opens_no_second_home() {
-        let rule = PlacementRule {
+    /// The rule with the share bound's default on.
+    fn share_bounded() -> PlacementRule {
+        PlacementRule {
             share_bound: 1.15,
             ..rule()
-        };
+        }
+    }
+
+    /// A new conversation (2,060 tokens, a 2,000-token first message) of the group whose
+    /// home is `home`.
+    fn new_conversation_of(home: usize, key: u64) -> Ask {
+        let mut a = ask(2060.0, 2000.0, key);
+        a.group_home = Some(GroupHome::Known(home));
+        a
+    }
+
+    #[test]
+    fn an_excess_within_chance_opens_no_second_home() {
+        let rule = share_bounded();
         // Traced on multi-turn (seed 42): 47 conversations in, the home of a group with a
         // quarter of the traffic had been given 14 and the others 12, 9 and 12. Past
         // 1.15 × the mean (13.5) and the least given + 4, but within 2 × √11.75 = 6.9 of
         // the least given: chance, not a share the group needs more homes for.
         let cached = [2000.0, 0.0, 0.0, 0.0];
-        let mut a = ask(2060.0, 2000.0, 5);
-        a.group_home = Some(GroupHome::Known(0));
+        let a = new_conversation_of(0, 5);
         let early = with_placed(choices(&[0, 0, 0, 0], &cached), &[14.0, 12.0, 9.0, 12.0]);
         assert_eq!(rule.place(&a, &early).unwrap().index, 0);
         // 17 is past 9 + 2 × √12.5 = 16.1: it spills.
@@ -979,10 +992,7 @@ mod tests {
 
     #[test]
     fn a_share_bound_spill_opens_a_home_where_least_was_given() {
-        let rule = PlacementRule {
-            share_bound: 1.15,
-            ..rule()
-        };
+        let rule = share_bounded();
         // 3 is the busiest group's home, past its share; no other target holds its prompt.
         // 0 is within the bound but above the mean (18.5), 1 below it but more than one
         // beyond the least given: the group's second home opens on 2, whatever the key,
@@ -990,19 +1000,15 @@ mod tests {
         let given = [20.0, 17.0, 11.0, 26.0];
         let mut cached = [0.0, 0.0, 0.0, 2000.0];
         for key in 0..50 {
-            let mut a = ask(2060.0, 2000.0, key);
-            a.group_home = Some(GroupHome::Known(3));
             let c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
-            let p = rule.place(&a, &c).unwrap();
+            let p = rule.place(&new_conversation_of(3, key), &c).unwrap();
             assert_eq!((p.index, p.reason), (2, Reason::ShareBound), "key {key}");
         }
         // A target already holding the prompt (its second home) takes it without a prefill,
         // though it was given more.
         cached[1] = 2000.0;
-        let mut a = ask(2060.0, 2000.0, 3);
-        a.group_home = Some(GroupHome::Known(3));
         let c = with_placed(choices(&[0, 0, 0, 0], &cached), &given);
-        let p = rule.place(&a, &c).unwrap();
+        let p = rule.place(&new_conversation_of(3, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::ShareBound));
     }
 
