@@ -381,26 +381,29 @@ impl PlacementRule {
                     Some(GroupHome::Known(h) | GroupHome::Expected(h)) => Some(h),
                     None => None,
                 };
-                let can_take = |c: &&Choice| {
-                    c.placed <= share_cap && self.can_host(c, tokens, &counted, own_home)
-                };
-                // A target that must prefill the prefix takes the spill only where there is
-                // room: given no more than the mean, and about as little as any that can.
-                let mean_given =
-                    choices.iter().map(|c| c.placed).sum::<f64>() / choices.len() as f64;
-                let least_given = choices
-                    .iter()
-                    .filter(can_take)
-                    .map(|c| c.placed)
-                    .fold(f64::INFINITY, f64::min);
-                let hosts = |c: &&Choice| {
-                    can_take(c)
-                        && (counted(c) > 0.0
-                            || (c.placed <= mean_given
-                                && c.placed <= least_given + NEW_HOME_GIVEN_SLACK))
+                let spill = || {
+                    let can_take = |c: &&Choice| {
+                        c.placed <= share_cap && self.can_host(c, tokens, &counted, own_home)
+                    };
+                    // A target that must prefill the prefix takes the spill only where there
+                    // is room: given no more than the mean, and about as little as any that
+                    // can.
+                    let mean_given = mean_placed(choices);
+                    let least_given = choices
+                        .iter()
+                        .filter(can_take)
+                        .map(|c| c.placed)
+                        .fold(f64::INFINITY, f64::min);
+                    let hosts = |c: &&Choice| {
+                        can_take(c)
+                            && (counted(c) > 0.0
+                                || (c.placed <= mean_given
+                                    && c.placed <= least_given + NEW_HOME_GIVEN_SLACK))
+                    };
+                    self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted)
                 };
                 let other = (pick.placed > share_cap && !pinned_home)
-                    .then(|| self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted))
+                    .then(spill)
                     .flatten();
                 match other {
                     Some(other) => (other, self.balance_abs, Some(Reason::ShareBound)),
@@ -506,12 +509,11 @@ impl PlacementRule {
         if self.share_bound <= 0.0 || choices.is_empty() {
             return f64::INFINITY;
         }
-        let total: f64 = choices.iter().map(|c| c.placed).sum();
         let least = choices
             .iter()
             .map(|c| c.placed)
             .fold(f64::INFINITY, f64::min);
-        let mean = total / choices.len() as f64;
+        let mean = mean_placed(choices);
         let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * mean.sqrt());
         (self.share_bound * mean).max(least + slack)
     }
@@ -544,6 +546,11 @@ impl PlacementRule {
         near.filter(|c| counted(c) >= most_cached)
             .max_by_key(|c| rendezvous(key, c.label))
     }
+}
+
+/// The mean of the new work recently placed on each of `choices` (non-empty).
+fn mean_placed(choices: &[Choice]) -> f64 {
+    choices.iter().map(|c| c.placed).sum::<f64>() / choices.len() as f64
 }
 
 /// Whether `c`'s cache (if known) holds less than twice a prompt of `tokens`: a second
