@@ -23,11 +23,15 @@
 //!    prompt's key on the target's label (see [`PlacementKeys`]). So a new prefix group is
 //!    placed, and a new conversation is spread over the targets holding its group's
 //!    prefix, identically by every gateway that runs this rule, with no shared state.
-//! 4. Overload guard: the winner is *truly overloaded* when it has more than
-//!    `balance_abs` requests in flight beyond `q_min` AND more than `balance_rel` × `q_min`.
+//! 4. Overload guard: the winner is *truly overloaded* when it has more than a margin of
+//!    requests in flight beyond `q_min` AND more than `balance_rel` × `q_min`. The margin
+//!    is `balance_abs`, or, when more, the requests whose queueing (λ each) is worth
+//!    [`GUARD_PREFILL_SHARE`] of the prompt's prefix the winner holds: a burst on a long
+//!    shared prompt (a 4,000-token tool list) waits longer than one on a short one before
+//!    it spreads, as spreading it costs that prompt's prefill on each new target.
 //!    A conversation's own target (it holds more than [`CONTINUATION_MIN_TOKENS`] beyond
-//!    the prompt's first message, i.e. history nobody else has) gets twice the absolute
-//!    margin. An overloaded winner is replaced by the cheapest target within
+//!    the prompt's first message, i.e. history nobody else has) gets twice the margin:
+//!    its queue must be worth the whole prefix it holds. An overloaded winner is replaced by the cheapest target within
 //!    `balance_abs / 2` of `q_min` (reason `overloaded`), which for a hot system prompt
 //!    usually opens a second home for its group: later new conversations then spread
 //!    over both at the cost of their first user message. New work whose winner holds its
@@ -107,6 +111,11 @@ pub const NEW_HOME_GIVEN_SLACK: f64 = 1.0;
 /// its prefix for one that holds none of it and has room for it beside another prompt:
 /// that move opens a home (the whole prefix, then the group's next conversations there).
 pub const NEW_HOME_MARGIN: f64 = 1.5;
+/// Share of the winner's cached prefix (in λ-priced requests) below which the overload
+/// guard does not move new work, whatever `balance_abs` says: half, so new work spreads
+/// before its queue costs the whole prefill it would redo, and a conversation's own
+/// target (twice the margin) keeps it until the queue costs all of it.
+pub const GUARD_PREFILL_SHARE: f64 = 0.5;
 /// Default of `group_homes`.
 pub const DEFAULT_GROUP_HOMES: bool = true;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
@@ -320,8 +329,8 @@ impl PlacementRule {
             });
         let new_work = home.is_none();
         // `moved`: the rule that moved new work off the cost rule's pick, if one did.
-        let (mut pick, margin, moved) = match home {
-            Some(home) => (home, self.balance_abs.saturating_mul(2), None),
+        let (mut pick, doubled, moved) = match home {
+            Some(home) => (home, true, None),
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
                 // that take it cheaply (they hold its prefix, or their cache stays at most
@@ -406,12 +415,8 @@ impl PlacementRule {
                     .then(spill)
                     .flatten();
                 match other {
-                    Some(other) => (other, self.balance_abs, Some(Reason::ShareBound)),
-                    None => (
-                        pick,
-                        self.balance_abs,
-                        went_home.then_some(Reason::GroupHome),
-                    ),
+                    Some(other) => (other, false, Some(Reason::ShareBound)),
+                    None => (pick, false, went_home.then_some(Reason::GroupHome)),
                 }
             }
         };
@@ -429,6 +434,9 @@ impl PlacementRule {
         } else {
             Reason::Overloaded
         };
+        let margin = self
+            .overload_margin(counted(pick))
+            .saturating_mul(if doubled { 2 } else { 1 });
         if self.overloaded(pick.inflight, q_min, margin) {
             let light = q_min + self.balance_abs / 2;
             let other = self.cheapest(
@@ -516,6 +524,18 @@ impl PlacementRule {
         let mean = mean_placed(choices);
         let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * mean.sqrt());
         (self.share_bound * mean).max(least + slack)
+    }
+
+    /// The overload guard's margin for new work whose pick holds `prefix_tokens` of it:
+    /// `balance_abs`, or the requests whose queueing is worth [`GUARD_PREFILL_SHARE`] of
+    /// that prefix at λ each, whichever is more.
+    pub fn overload_margin(&self, prefix_tokens: f64) -> u64 {
+        if self.load_cost_tokens <= 0.0 {
+            return self.balance_abs;
+        }
+        let by_cost = (GUARD_PREFILL_SHARE * prefix_tokens / self.load_cost_tokens).floor();
+        // `as` saturates: a huge prefix gives u64::MAX, never a wrap.
+        self.balance_abs.max(by_cost as u64)
     }
 
     /// Whether `inflight` is more than `margin` beyond `q_min` and more than
@@ -687,10 +707,53 @@ mod tests {
         let c = choices(&[10, 0, 0, 0], &[1000.0, 1000.0, 0.0, 0.0]);
         let p = rule.place(&ask(1050.0, 1000.0, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
-        // Past twice the margin the conversation moves too.
-        let c = choices(&[11, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        // Past twice the margin the conversation moves too. For its 5,000 held tokens the
+        // margin is the queue worth half of them (8 requests at this rule's λ = 300), so
+        // twice that: 16 beyond the least loaded, as its queue must be worth its history.
+        let c = choices(&[16, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
+        let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+        let c = choices(&[17, 0, 0, 0], &[5000.0, 1000.0, 0.0, 0.0]);
         let p = rule.place(&ask(5100.0, 1000.0, 3), &c).unwrap();
         assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
+        // A short history keeps the plain doubled margin: 2 × `balance_abs`.
+        let c = choices(&[11, 0, 0, 0], &[1400.0, 1000.0, 0.0, 0.0]);
+        let p = rule.place(&ask(1500.0, 1000.0, 3), &c).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
+    }
+
+    #[test]
+    fn a_burst_on_a_long_shared_prompt_spreads_once_its_queue_costs_half_the_prompt() {
+        let rule = PlacementRule::default();
+        assert_eq!(rule.load_cost_tokens, 200.0);
+        // New calls sharing a 4,000-token tool list cached on 0 only, the other caches too
+        // small for a second copy (so the plain margin applies, not the new-home one).
+        // Spreading one costs 4,000 tokens of prefill elsewhere: the guard waits until the
+        // extra queue is worth half of it, 10 requests at λ = 200 (`balance_abs` is 5).
+        let a = ask(4100.0, 4000.0, 11);
+        let burst = |extra: u64| {
+            let mut c = choices(&[extra, 0, 0, 0], &[4000.0, 0.0, 0.0, 0.0]);
+            c.iter_mut().for_each(|c| c.cache_tokens = 6000.0);
+            c
+        };
+        for extra in [6, 10] {
+            let p = rule.place(&a, &burst(extra)).unwrap();
+            assert_eq!((p.index, p.reason), (0, Reason::CacheHit), "extra {extra}");
+        }
+        let p = rule.place(&a, &burst(11)).unwrap();
+        assert_ne!(p.index, 0);
+        assert_eq!(p.reason, Reason::Overloaded);
+        // The margin: never below `balance_abs`, half the prefix in λ-priced requests above it.
+        assert_eq!(rule.overload_margin(0.0), 5);
+        assert_eq!(rule.overload_margin(2005.0), 5);
+        assert_eq!(rule.overload_margin(2400.0), 6);
+        assert_eq!(rule.overload_margin(4000.0), 10);
+        assert_eq!(rule.overload_margin(f64::MAX), u64::MAX);
+        let no_price = PlacementRule {
+            load_cost_tokens: 0.0,
+            ..rule
+        };
+        assert_eq!(no_price.overload_margin(4000.0), 5);
     }
 
     #[test]
