@@ -34,10 +34,10 @@
 //!    its queue must be worth the whole prefix it holds. An overloaded winner is replaced
 //!    by the cheapest target within `balance_abs / 2` of `q_min` (reason `overloaded`),
 //!    which for a hot system prompt usually opens a second home for its group: later new
-//!    conversations then spread over both at the cost of their first user message. New work whose winner holds its
-//!    prefix, when that target holds none of it and its cache holds two prompts (opening
-//!    a home there costs the whole prefix and keeps costing the group's later
-//!    conversations), gets at least [`NEW_HOME_MARGIN`] × `balance_abs`.
+//!    conversations then spread over both at the cost of their first user message. New
+//!    work whose winner holds its prefix, when that target holds none of it and its cache
+//!    holds two prompts (opening a home there costs the whole prefix and keeps costing
+//!    the group's later conversations), gets at least [`NEW_HOME_MARGIN`] × `balance_abs`.
 //! 5. A conversation whose history no view holds any more is kept by the target that
 //!    served its last turn (`Ask::previous`, remembered by the caller), if that target
 //!    holds some of the prompt and as much as any (when no view holds any of it, the
