@@ -11,6 +11,7 @@ pub mod breaker;
 pub mod export;
 pub mod idle;
 pub mod lmcache;
+pub mod pace;
 pub mod probe;
 pub mod recent;
 
@@ -154,6 +155,9 @@ pub struct TargetState {
     pub trie: PrefixTrie,
     /// New work placed here recently (the placement rule's `share_bound`).
     pub placed: recent::RecentCount,
+    /// The pace of new conversations of the prefix groups whose home (`group_homes`) this
+    /// target is, wherever they were placed, counted in the route's new conversations.
+    pub home_pace: pace::Pace,
 }
 
 impl TargetState {
@@ -173,6 +177,7 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
+            home_pace: pace::Pace::default(),
         }
     }
 

@@ -151,7 +151,8 @@ pub fn previous_target(
 
 /// With group homes on (`groups`): the home named for `group` among the fleet's targets
 /// (noting the sighting; the group is held somewhere when a target holds half its first
-/// message of `first_message_tokens`), and in `choices` how many groups live on each.
+/// message of `first_message_tokens`), and in `choices` how many groups live on each and
+/// whether they have gone quiet.
 pub fn group_home_of(
     groups: Option<&GroupHomes>,
     group: u64,
@@ -168,8 +169,27 @@ pub fn group_home_of(
     let view = groups.note_and_home(group, &labels, held, now_ms)?;
     for c in choices.iter_mut() {
         c.homes = view.homes_on(c.index);
+        c.quiet = c.homes > 0
+            && fleet.candidates[c.index]
+                .home_pace
+                .is_some_and(|pace| groups.is_quiet(pace));
     }
     view.home
+}
+
+/// With group homes on: count `placed` if it is a new conversation of a known group (in
+/// its home's pace of new conversations too).
+pub fn note_conversation(
+    groups: Option<&GroupHomes>,
+    ask: &Ask,
+    placed: &super::placement::Placed,
+    fleet: &FleetView,
+) {
+    if let (Some(groups), true, Some(GroupHome::Known(h))) =
+        (groups, placed.new_work, ask.group_home)
+    {
+        groups.note_conversation(fleet.candidates.get(h).and_then(|c| c.home_pace));
+    }
 }
 
 /// Store in `table` that the decision's conversation went to `target`.
@@ -249,6 +269,7 @@ impl Strategy for CacheAware {
                     placed: c.placed,
                     label: c.label,
                     homes: 0,
+                    quiet: false,
                 }
             })
             .collect();
@@ -273,6 +294,7 @@ impl Strategy for CacheAware {
         };
         credit_group_home(&mut choices, &ask);
         let placed = self.rule.place(&ask, &choices)?;
+        note_conversation(self.groups.as_ref(), &ask, &placed, fleet);
         super::explain::log_decision(&ask, &choices, &placed);
         // The chosen target's walk, handed to `record` so its insert starts where it stopped:
         // only for the caller's key, which `record` sees again (a key computed here is gone).
@@ -322,6 +344,7 @@ mod tests {
                 lmcache: None,
                 placed: 0.0,
                 cache_tokens: 0.0,
+                home_pace: None,
             })
             .collect()
     }

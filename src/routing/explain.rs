@@ -96,6 +96,7 @@ mod tests {
             cache_tokens: 0.0,
             placed: inflight as f64 + 0.4,
             homes: 0,
+            quiet: false,
         }
     }
 

@@ -21,15 +21,20 @@
 //! several conversations to (the set's key order decides, not arrival), leaving those
 //! conversations on a replica that now hosts another group.
 //!
-//! Owns the seen-group table and the published assignment. Must not decide placement (the
-//! rule in `placement` weighs the home against cache and load) nor do I/O; time is passed
-//! in. No global lock on the request path: the assignment is an `ArcSwap`, the seen groups
-//! are dashmap shards (a known group's entry is read, and written at most once a second),
-//! and a first sighting writes one slot of an array. A rebuild (when a group becomes known,
-//! the targets change, or the sweep every [`SWEEP_EVERY_MS`] forgets a group) runs under a
-//! `try_lock`, so no request waits for it.
+//! A home whose groups stop opening conversations goes quiet ([`QUIET_AFTER_MISSED`]): the
+//! clock is this route's count of new conversations, so a cold start's burst or a lull of the
+//! whole route silences no one.
+//!
+//! Owns the seen-group table, the published assignment and the count of new conversations
+//! (one atomic). Must not decide placement (the rule in `placement` weighs the home against
+//! cache and load) nor do I/O; time is passed in. No global lock on the request path: the
+//! assignment is an `ArcSwap`, the seen groups are dashmap shards (a known group's entry is
+//! read, and written at most once a second), and a first sighting writes one slot of an
+//! array. A rebuild (when a group becomes known, the targets change, or the sweep every
+//! [`SWEEP_EVERY_MS`] forgets a group) runs under a `try_lock`, so no request waits for it.
 
 use super::placement::{fnv1a, rendezvous_hashed, GroupHome};
+use crate::fleet::pace::Pace;
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -39,6 +44,11 @@ use std::sync::Arc;
 
 /// A group not seen for this long loses its home.
 pub const FORGET_AFTER_MS: u64 = 60_000;
+/// A home is quiet when its groups have opened none of the route's last new conversations
+/// where their usual share would have brought this many (a tenant gone idle, a batch near
+/// its end): `placement` then lets other groups' work in (its rule 9). Four: by chance a
+/// home misses that many expected conversations about 2% of the time.
+pub const QUIET_AFTER_MISSED: f64 = 4.0;
 /// Most groups with a home; past it, new groups get none until a sweep makes room.
 pub const MAX_GROUPS: usize = 4096;
 /// Interval between sweeps of forgotten groups.
@@ -107,6 +117,9 @@ pub struct GroupHomes {
     rebuild: Mutex<()>,
     /// Time of the first request noted (ms; 0 = none yet): the opening runs from it.
     opened_ms: AtomicU64,
+    /// New conversations of known groups placed so far: the clock the pace of each home's
+    /// groups is kept in.
+    conversations: AtomicU64,
 }
 
 impl Default for GroupHomes {
@@ -119,6 +132,7 @@ impl Default for GroupHomes {
             swept_ms: AtomicU64::new(0),
             rebuild: Mutex::new(()),
             opened_ms: AtomicU64::new(0),
+            conversations: AtomicU64::new(0),
         }
     }
 }
@@ -181,6 +195,22 @@ impl GroupHomes {
             None => homes.expected_home(group).map(GroupHome::Expected),
         };
         Some(HomeView { home, homes })
+    }
+
+    /// Count a new conversation of a known group, in its home's `home_pace` too (the pace
+    /// of the new conversations of the groups living on that target, on the clock of this
+    /// route's new conversations).
+    pub fn note_conversation(&self, home_pace: Option<&Pace>) {
+        let n = self.conversations.fetch_add(1, Relaxed) + 1;
+        if let Some(pace) = home_pace {
+            pace.note(n);
+        }
+    }
+
+    /// Whether the groups whose home keeps `home_pace` have gone quiet: see
+    /// [`QUIET_AFTER_MISSED`].
+    pub fn is_quiet(&self, home_pace: &Pace) -> bool {
+        home_pace.stopped(self.conversations.load(Relaxed), QUIET_AFTER_MISSED)
     }
 
     /// Note a request of `group` on a route with `targets` targets; true when it made the
@@ -301,6 +331,33 @@ mod tests {
             home(h, g, &LABELS, now);
             home(h, g, &LABELS, now);
         }
+    }
+
+    #[test]
+    fn a_home_goes_quiet_once_its_groups_miss_their_share_of_new_conversations() {
+        let g = GroupHomes::default();
+        let (a, b) = (Pace::default(), Pace::default());
+        // a's groups open every second conversation of the route.
+        for _ in 0..20 {
+            g.note_conversation(Some(&a));
+            g.note_conversation(Some(&b));
+        }
+        assert!(!g.is_quiet(&a) && !g.is_quiet(&b));
+        // No conversations anywhere (a lull, or the pause after a cold start's burst):
+        // nothing goes quiet, however long.
+        assert!(!g.is_quiet(&a));
+        // The route goes on without a's groups: quiet once they have missed more than
+        // QUIET_AFTER_MISSED (4) of the conversations their share (one in two) would bring.
+        for _ in 0..7 {
+            g.note_conversation(Some(&b));
+        }
+        assert!(!g.is_quiet(&a));
+        g.note_conversation(Some(&b));
+        assert!(g.is_quiet(&a));
+        assert!(!g.is_quiet(&b));
+        // One new conversation of theirs and they are back.
+        g.note_conversation(Some(&a));
+        assert!(!g.is_quiet(&a));
     }
 
     #[test]

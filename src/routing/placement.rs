@@ -70,6 +70,14 @@
 //!    than the mean and at most [`NEW_HOME_GIVEN_SLACK`] more than the least-given
 //!    target able to: a group's second home goes where there is room for it, and does
 //!    not push that target's own group over the bound in turn.
+//! 9. Quiet homes (`group_homes`): a target whose groups have gone quiet (`Choice::quiet`:
+//!    they opened none of the route's last new conversations where their usual share
+//!    would have brought a few: a tenant gone idle, a batch ending) hosts no group for
+//!    rules 7 and 8, so a busier group may open a second home there and spill onto it
+//!    under cache pressure too. Once it holds part of a prompt (the group's prefix) it
+//!    takes the request when cheaper by more than λ, even off a conversation's own
+//!    target: the move costs the history, and what it evicts belongs to conversations
+//!    that are ending.
 //!
 //! Why not a fixed "pin unless overloaded" rule: the cost of going elsewhere is the
 //! prefix that must be recomputed, which ranges from one user message (a new
@@ -236,6 +244,10 @@ pub struct Choice<'a> {
     pub placed: f64,
     /// Prefix groups whose home (`group_homes`) the target is (0 when homes are off).
     pub homes: usize,
+    /// The groups whose home the target is have gone quiet (`group_homes`: they opened
+    /// none of the route's last new conversations where their share would have brought
+    /// several).
+    pub quiet: bool,
 }
 
 /// The request as the rule sees it.
@@ -358,7 +370,7 @@ impl PlacementRule {
                 // holding the group's prefix is kept however busy (the overload guard
                 // aside): the pick's cache cannot hold both groups. While some target
                 // hosts no group, that one can be the group's second home.
-                let every_target_hosts = choices.iter().all(|c| c.homes > 0);
+                let every_target_hosts = choices.iter().all(|c| c.homes > 0 && !c.quiet);
                 let pinned = |h: &Choice| {
                     pick.index != h.index
                         && every_target_hosts
@@ -437,7 +449,24 @@ impl PlacementRule {
         let margin = self
             .overload_margin(counted(pick))
             .saturating_mul(if doubled { 2 } else { 1 });
-        if self.overloaded(pick.inflight, q_min, margin) {
+        // A target whose groups have gone quiet and that holds part of the prompt takes it
+        // when cheaper by more than λ, even from the conversation's own target: with the
+        // group's prefix there, the move costs the history, and what it evicts belongs to
+        // conversations that are ending.
+        let to_quiet = self
+            .cheapest(
+                ask,
+                choices
+                    .iter()
+                    .filter(|c| c.quiet && counted(c) > 0.0 && cost(c) + lambda < cost(pick)),
+                &cost,
+                &counted,
+            )
+            .filter(|_| !pick.quiet);
+        if let Some(quiet) = to_quiet {
+            pick = quiet;
+            reason = Reason::Overloaded;
+        } else if self.overloaded(pick.inflight, q_min, margin) {
             let light = q_min + self.balance_abs / 2;
             let other = self.cheapest(
                 ask,
@@ -506,7 +535,9 @@ impl PlacementRule {
         counted: &impl Fn(&Choice) -> f64,
         own_home: Option<usize>,
     ) -> bool {
-        !crowded(c, tokens) || (counted(c) > 0.0 && (c.homes == 0 || Some(c.index) == own_home))
+        c.quiet
+            || !crowded(c, tokens)
+            || (counted(c) > 0.0 && (c.homes == 0 || Some(c.index) == own_home))
     }
 
     /// Most new work a target may have been given recently and still take more:
@@ -635,6 +666,7 @@ mod tests {
                 cache_tokens: 0.0,
                 placed: 0.0,
                 homes: 0,
+                quiet: false,
             })
             .collect()
     }
@@ -1307,6 +1339,63 @@ mod tests {
         let tight = with_cache(choices(&[7, 1, 2, 2], &cached), 3072.0);
         let p = rule.place(&a, &tight).unwrap();
         assert_ne!(p.index, 0);
+    }
+
+    #[test]
+    fn under_cache_pressure_a_target_whose_groups_went_quiet_takes_a_busy_groups_new_work() {
+        let rule = share_bounded();
+        // Every target is some group's home and no cache holds two prompts; 0, this
+        // group's home, was given more than its share (mean 26: cap 30.2).
+        let tight = |quiet_one: bool| {
+            let mut c = with_placed(
+                choices(&[3, 1, 2, 2], &[2000.0, 0.0, 0.0, 0.0]),
+                &[34.0, 20.0, 25.0, 25.0],
+            );
+            c.iter_mut()
+                .for_each(|c| (c.cache_tokens, c.homes) = (3072.0, 1));
+            c[1].quiet = quiet_one;
+            c
+        };
+        for key in 0..50 {
+            let a = new_conversation_of(0, key);
+            // 1's group is still opening conversations: the home keeps the prompt.
+            assert_eq!(rule.place(&a, &tight(false)).unwrap().index, 0, "key {key}");
+            // 1's group has gone quiet: 1 hosts no group that needs its cache.
+            let p = rule.place(&a, &tight(true)).unwrap();
+            assert_eq!((p.index, p.reason), (1, Reason::ShareBound), "key {key}");
+        }
+    }
+
+    #[test]
+    fn a_target_whose_groups_went_quiet_takes_a_conversation_once_it_holds_the_group_prefix() {
+        let rule = rule();
+        // The conversation's history (400 tokens past a 2,000-token system prompt) is on 0,
+        // its group's home; 1 holds the system prompt.
+        let a = Ask {
+            group_home: Some(GroupHome::Known(0)),
+            ..ask(2400.0, 2000.0, 7)
+        };
+        let with = |loads: &[u64], cached: &[f64], quiet_one: bool| {
+            let mut c = choices(loads, cached);
+            c[1].quiet = quiet_one;
+            c
+        };
+        let held = [2400.0, 2000.0, 0.0, 0.0];
+        // 5 beyond 1: not overloaded (a conversation's margin is 10), so it stays home...
+        let p = rule.place(&a, &with(&[6, 1, 3, 3], &held, false)).unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::CacheHit));
+        // ...unless 1's groups have gone quiet: there it costs 400 + 0 against 0's
+        // λ × 5 = 1,500.
+        let p = rule.place(&a, &with(&[6, 1, 3, 3], &held, true)).unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
+        // Not when the saving is within λ (400 + 300 against 600)...
+        let p = rule.place(&a, &with(&[3, 1, 3, 3], &held, true)).unwrap();
+        assert_eq!(p.index, 0);
+        // ...nor when 1 holds none of the prompt (the whole prefill against 1,500).
+        let p = rule
+            .place(&a, &with(&[6, 1, 3, 3], &[2400.0, 0.0, 0.0, 0.0], true))
+            .unwrap();
+        assert_eq!(p.index, 0);
     }
 
     #[test]

@@ -168,6 +168,7 @@ impl Strategy for PreciseCacheAware {
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
                 homes: 0,
+                quiet: false,
             })
             .collect();
         let n = tokens.len() as f64;
@@ -195,6 +196,7 @@ impl Strategy for PreciseCacheAware {
             ),
         };
         let placed = self.rule.place(&ask, &choices)?;
+        super::cache_aware::note_conversation(self.groups.as_ref(), &ask, &placed, fleet);
         super::explain::log_decision(&ask, &choices, &placed);
         Some(Decision {
             target: placed.index,
@@ -296,6 +298,7 @@ mod tests {
             lmcache: None,
             placed: 0.0,
             cache_tokens: 0.0,
+            home_pace: None,
         }
     }
 
