@@ -11,7 +11,6 @@ pub mod breaker;
 pub mod export;
 pub mod idle;
 pub mod lmcache;
-pub mod pace;
 pub mod probe;
 pub mod recent;
 
@@ -157,7 +156,7 @@ pub struct TargetState {
     pub placed: recent::RecentCount,
     /// The pace of new conversations of the prefix groups whose home (`group_homes`) this
     /// target is, wherever they were placed, counted in the route's new conversations.
-    pub home_pace: pace::Pace,
+    pub home_pace: crate::routing::pace::Pace,
 }
 
 impl TargetState {
@@ -177,7 +176,7 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
-            home_pace: pace::Pace::default(),
+            home_pace: crate::routing::pace::Pace::default(),
         }
     }
 

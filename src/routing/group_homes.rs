@@ -33,8 +33,8 @@
 //! array. A rebuild (when a group becomes known, the targets change, or the sweep every
 //! [`SWEEP_EVERY_MS`] forgets a group) runs under a `try_lock`, so no request waits for it.
 
+use super::pace::Pace;
 use super::placement::{fnv1a, rendezvous_hashed, GroupHome};
-use crate::fleet::pace::Pace;
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use parking_lot::Mutex;

@@ -11,6 +11,7 @@ pub mod cache_aware;
 pub mod explain;
 pub mod group_homes;
 pub mod lmcache;
+pub mod pace;
 pub mod pipeline;
 pub mod placement;
 pub mod precise;
@@ -116,7 +117,7 @@ pub struct Candidate<'a> {
     pub cache_tokens: f64,
     /// Where the new conversations of the prefix groups whose home this target is are
     /// counted (`group_homes`).
-    pub home_pace: Option<&'a crate::fleet::pace::Pace>,
+    pub home_pace: Option<&'a pace::Pace>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.
