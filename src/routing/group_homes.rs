@@ -22,8 +22,8 @@
 //! conversations on a replica that now hosts another group.
 //!
 //! A home whose groups stop opening conversations goes quiet ([`QUIET_AFTER_MISSED`]): the
-//! clock is this route's count of new conversations, so a cold start's burst or a lull of the
-//! whole route silences no one.
+//! clock is this route's count of new conversations, so a cold start's burst or a lull of
+//! the whole route silences no one.
 //!
 //! Owns the seen-group table, the published assignment and the count of new conversations
 //! (one atomic). Must not decide placement (the rule in `placement` weighs the home against
