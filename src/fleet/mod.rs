@@ -154,9 +154,6 @@ pub struct TargetState {
     pub trie: PrefixTrie,
     /// New work placed here recently (the placement rule's `share_bound`).
     pub placed: recent::RecentCount,
-    /// The pace of new conversations of the prefix groups whose home (`group_homes`) this
-    /// target is, wherever they were placed, counted in the route's new conversations.
-    pub home_pace: crate::routing::pace::Pace,
 }
 
 impl TargetState {
@@ -176,7 +173,6 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
-            home_pace: crate::routing::pace::Pace::default(),
         }
     }
 

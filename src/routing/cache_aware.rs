@@ -169,10 +169,7 @@ pub fn group_home_of(
     let view = groups.note_and_home(group, &labels, held, now_ms)?;
     for c in choices.iter_mut() {
         c.homes = view.homes_on(c.index);
-        c.quiet = c.homes > 0
-            && fleet.candidates[c.index]
-                .home_pace
-                .is_some_and(|pace| groups.is_quiet(pace));
+        c.quiet = groups.is_quiet(&view, c.index);
     }
     view.home
 }
@@ -188,7 +185,9 @@ pub fn note_conversation(
     if let (Some(groups), true, Some(GroupHome::Known(h))) =
         (groups, placed.new_work, ask.group_home)
     {
-        groups.note_conversation(fleet.candidates.get(h).and_then(|c| c.home_pace));
+        if let Some(home) = fleet.candidates.get(h) {
+            groups.note_conversation(h, home.label);
+        }
     }
 }
 
@@ -344,7 +343,6 @@ mod tests {
                 lmcache: None,
                 placed: 0.0,
                 cache_tokens: 0.0,
-                home_pace: None,
             })
             .collect()
     }

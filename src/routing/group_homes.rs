@@ -25,8 +25,9 @@
 //! clock is this route's count of new conversations, so a cold start's burst or a lull of
 //! the whole route silences no one.
 //!
-//! Owns the seen-group table, the published assignment and the count of new conversations
-//! (one atomic). Must not decide placement (the rule in `placement` weighs the home against
+//! Owns the seen-group table, the published assignment, the count of new conversations
+//! (one atomic) and each target's pace on that count (kept with the assignment, carried
+//! over by label when it is rebuilt). Must not decide placement (the rule in `placement` weighs the home against
 //! cache and load) nor do I/O; time is passed in. No global lock on the request path: the
 //! assignment is an `ArcSwap`, the seen groups are dashmap shards (a known group's entry is
 //! read, and written at most once a second), and a first sighting writes one slot of an
@@ -72,11 +73,24 @@ struct Homes {
     groups: usize,
     groups_xor: u64,
     home: HashMap<u64, usize>,
+    /// Per label, the pace of the new conversations of the groups living there, on this
+    /// route's count of new conversations.
+    paces: Vec<Arc<Pace>>,
 }
 
 impl Homes {
     fn computed_over(&self, labels: &[&str]) -> bool {
         self.labels.len() == labels.len() && self.labels.iter().zip(labels).all(|(a, b)| a == b)
+    }
+
+    /// Take over `before`'s pace for every label both have: a rebuild moves homes, not
+    /// the record of what the groups on a target have been doing.
+    fn keep_paces(&mut self, before: &Homes) {
+        for (label, pace) in self.labels.iter().zip(self.paces.iter_mut()) {
+            if let Some(j) = before.labels.iter().position(|l| l == label) {
+                *pace = before.paces[j].clone();
+            }
+        }
     }
 
     /// Where a group seen for the first time goes, so its first conversation does not open
@@ -181,7 +195,9 @@ impl GroupHomes {
                 }
                 // The same groups over the same targets keep the assignment as it is.
                 if !current || self.groups_changed(&homes) {
-                    self.homes.store(Arc::new(assign(&self.known(), labels)));
+                    let mut next = assign(&self.known(), labels);
+                    next.keep_paces(&homes);
+                    self.homes.store(Arc::new(next));
                     homes = self.homes.load();
                 }
                 current = true;
@@ -197,20 +213,24 @@ impl GroupHomes {
         Some(HomeView { home, homes })
     }
 
-    /// Count a new conversation of a known group, in its home's `home_pace` too (the pace
-    /// of the new conversations of the groups living on that target, on the clock of this
-    /// route's new conversations).
-    pub fn note_conversation(&self, home_pace: Option<&Pace>) {
+    /// Count a new conversation of a known group whose home is the target at `home` (an
+    /// index into the labels looked up), labelled `label`, in that target's pace too.
+    pub fn note_conversation(&self, home: usize, label: &str) {
         let n = self.conversations.fetch_add(1, Relaxed) + 1;
-        if let Some(pace) = home_pace {
-            pace.note(n);
+        let homes = self.homes.load();
+        if homes.labels.get(home).is_some_and(|l| l == label) {
+            homes.paces[home].note(n);
         }
     }
 
-    /// Whether the groups whose home keeps `home_pace` have gone quiet: see
-    /// [`QUIET_AFTER_MISSED`].
-    pub fn is_quiet(&self, home_pace: &Pace) -> bool {
-        home_pace.stopped(self.conversations.load(Relaxed), QUIET_AFTER_MISSED)
+    /// Whether the groups living on the target at `index` (into the labels `view` was
+    /// looked up with) have gone quiet: see [`QUIET_AFTER_MISSED`]. A target no group
+    /// lives on is not.
+    pub fn is_quiet(&self, view: &HomeView, index: usize) -> bool {
+        view.homes_on(index) > 0
+            && view.homes.paces.get(index).is_some_and(|pace| {
+                pace.stopped(self.conversations.load(Relaxed), QUIET_AFTER_MISSED)
+            })
     }
 
     /// Note a request of `group` on a route with `targets` targets; true when it made the
@@ -294,6 +314,7 @@ fn assign(groups: &[u64], labels: &[&str]) -> Homes {
         groups: 0,
         groups_xor: 0,
         home: HashMap::with_capacity(groups.len()),
+        paces: labels.iter().map(|_| Arc::default()).collect(),
     };
     let cap = home_cap(groups.len(), labels.len());
     for &g in groups {
@@ -336,25 +357,45 @@ mod tests {
     #[test]
     fn a_home_goes_quiet_once_its_groups_miss_their_share_of_new_conversations() {
         let g = GroupHomes::default();
-        let (a, b) = (Pace::default(), Pace::default());
+        seen_twice(&g, [1, 2], 10);
+        let home_of = |group| match home(&g, group, &LABELS, 10) {
+            Some(Known(i)) => i,
+            other => panic!("{other:?}"),
+        };
+        let (a, b) = (home_of(1), home_of(2));
+        let quiet =
+            |g: &GroupHomes, i| g.is_quiet(&g.note_and_home(1, &LABELS, true, 10).unwrap(), i);
         // a's groups open every second conversation of the route.
         for _ in 0..20 {
-            g.note_conversation(Some(&a));
-            g.note_conversation(Some(&b));
+            g.note_conversation(a, LABELS[a]);
+            g.note_conversation(b, LABELS[b]);
         }
-        assert!(!g.is_quiet(&a) && !g.is_quiet(&b));
+        assert!(!quiet(&g, a) && !quiet(&g, b));
         // The route goes on without a's groups: quiet once they have missed more than
         // QUIET_AFTER_MISSED (4) of the conversations their share (one in two) would bring.
         for _ in 0..7 {
-            g.note_conversation(Some(&b));
+            g.note_conversation(b, LABELS[b]);
         }
-        assert!(!g.is_quiet(&a));
-        g.note_conversation(Some(&b));
-        assert!(g.is_quiet(&a));
-        assert!(!g.is_quiet(&b));
+        assert!(!quiet(&g, a));
+        g.note_conversation(b, LABELS[b]);
+        assert!(quiet(&g, a));
+        assert!(!quiet(&g, b));
+        // A target no group lives on is never quiet.
+        let empty = (0..4).find(|&i| i != a && i != b).unwrap();
+        assert!(!quiet(&g, empty));
+        // A group becoming known rebuilds the assignment; the paces stay with the targets.
+        seen_twice(&g, [3], 10);
+        assert!(quiet(&g, a));
+        // Another route over the same targets keeps its own clock and paces.
+        let other = GroupHomes::default();
+        seen_twice(&other, [1, 2], 10);
+        for _ in 0..40 {
+            other.note_conversation(a, LABELS[a]);
+        }
+        assert!(quiet(&g, a));
         // One new conversation of theirs and they are back.
-        g.note_conversation(Some(&a));
-        assert!(!g.is_quiet(&a));
+        g.note_conversation(a, LABELS[a]);
+        assert!(!quiet(&g, a));
     }
 
     #[test]

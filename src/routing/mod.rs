@@ -115,9 +115,6 @@ pub struct Candidate<'a> {
     /// The replica's KV-cache capacity in tokens, as configured (`kv_cache_tokens`; 0 when
     /// unknown), for the placement rule's `share_bound`.
     pub cache_tokens: f64,
-    /// Where the new conversations of the prefix groups whose home this target is are
-    /// counted (`group_homes`).
-    pub home_pace: Option<&'a pace::Pace>,
 }
 
 /// The targets of one route, in config order, plus those already tried for this request.

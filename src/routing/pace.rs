@@ -1,10 +1,11 @@
 //! The pace of one kind of event on one target, on a clock the caller keeps: when the last
 //! event came and the typical gap between events (an exponentially weighted mean), so the
 //! caller can tell events that have stopped from a gap that is only long. The clock is a
-//! count, not wall time (`group_homes` passes the route's count of new conversations): a
-//! burst then is many events, not many events in no time, and a silence means something
-//! only while the rest of the route keeps the clock moving. A clock that starts again (a
-//! reload) makes the last event look recent, never long past.
+//! count, not wall time (`group_homes` keeps one pace per target beside each route's count
+//! of new conversations, so a pace only ever sees one clock): a burst then is many events,
+//! not many events in no time, and a silence means something only while the rest of the
+//! route keeps the clock moving. A clock that starts again makes the last event look
+//! recent, never long past.
 //!
 //! Owns three atomics; no clocks, no locks. Concurrent notes may each see the other's gap:
 //! the mean is an estimate either way.

@@ -247,7 +247,6 @@ mod tests {
                 lmcache: None,
                 placed: 0.0,
                 cache_tokens: 0.0,
-                home_pace: None,
             })
             .collect()
     }

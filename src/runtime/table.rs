@@ -115,7 +115,6 @@ impl Route {
                 lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
                 placed: t.state.placed.estimate(now_ms),
                 cache_tokens: t.kv_cache_tokens,
-                home_pace: Some(&t.state.home_pace),
             })
             .collect()
     }
