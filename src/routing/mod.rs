@@ -181,7 +181,8 @@ pub enum Reason {
     /// Most free cache capacity for its load (lmcache_aware).
     CacheCapacity,
     /// A new conversation sent to the home every gateway names for its prefix group,
-    /// though another target holds more of the prompt (see `group_homes`).
+    /// though another target holds more of the prompt, or, under cache pressure, a
+    /// conversation brought back there from another group's home (see `group_homes`).
     GroupHome,
     /// New work moved off a target already given more than its share of the recent new
     /// work (`share_bound`, see `placement`).

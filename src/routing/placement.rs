@@ -45,6 +45,14 @@
 //!    (`Ask::previous_from_peer`, a peer's note: `peering`) is kept by that target while
 //!    this gateway's view of it holds a counted part of the prompt (its group's prefix),
 //!    whatever the views show of the history: the peer placed the history there.
+//!    Under cache pressure (every target is some group's home, and one prompt fills the
+//!    conversation's target's cache), a conversation on a target that is not its group's
+//!    home (its group's home moved in a start's burst, or the guard spilled it) goes to
+//!    its group's `Known` home when that holds the group's prefix and what the
+//!    conversation's target holds beyond it is worth less than
+//!    [`STRANDED_HISTORY_LAMBDAS`] × λ (reason `group_home`): the move costs that
+//!    history; staying keeps two groups evicting each other's prompt there. Not for a
+//!    peer's placement. The home keeps it as the conversation's own target would.
 //! 6. Bounded load (`load_bound`): new work skips targets past `ceil(load_bound × mean)`
 //!    in flight (never below `q_min + 2`) when a target within the bound takes it
 //!    cheaply: it holds the prefix, or is idle (`Choice::room_tokens`).
@@ -124,6 +132,11 @@ pub const NEW_HOME_MARGIN: f64 = 1.5;
 /// before its queue costs the whole prefill it would redo, and a conversation's own
 /// target (twice the margin) keeps it until the queue costs all of it.
 pub const GUARD_PREFILL_SHARE: f64 = 0.5;
+/// Under cache pressure, a conversation left on another group's home moves to its own
+/// group's home while what it holds beyond the group's prefix there is worth less than
+/// this many λ (400 tokens at the default λ, a few turns of chat): its history is lost,
+/// but two groups stop evicting each other's prompt on that replica.
+pub const STRANDED_HISTORY_LAMBDAS: f64 = 2.0;
 /// Default of `group_homes`.
 pub const DEFAULT_GROUP_HOMES: bool = true;
 /// Tokens a target must hold beyond the prompt's first message for the request to count as
@@ -339,10 +352,30 @@ impl PlacementRule {
                     .find(|c| Some(c.index) == ask.previous)
                     .filter(|c| best_cached > 0.0 && counted(c) >= best_cached)
             });
+        // Under cache pressure (every target is some group's home), a conversation left on
+        // another group's home, where one prompt fills the cache, goes to its own group's
+        // home once that holds the group's prefix, while what it holds beyond it there is
+        // worth less than STRANDED_HISTORY_LAMBDAS × λ. Staying keeps two groups' prompts
+        // evicting each other on one replica for the rest of the conversation.
+        let every_target_hosts = choices.iter().all(|c| c.homes > 0 && !c.quiet);
+        let rehomed = home
+            .filter(|t| peer_home.is_none() && every_target_hosts && crowded(t, tokens))
+            .and_then(|t| {
+                let Some(GroupHome::Known(h)) = ask.group_home.filter(|_| self.group_homes) else {
+                    return None;
+                };
+                choices.iter().find(|c| c.index == h).filter(|h| {
+                    h.index != t.index
+                        && counted(h) > 0.0
+                        && counted(t) - counted(h) <= STRANDED_HISTORY_LAMBDAS * lambda
+                })
+            });
+        let home = rehomed.or(home);
         let new_work = home.is_none();
-        // `moved`: the rule that moved new work off the cost rule's pick, if one did.
+        // `moved`: the rule that moved the request off the cost rule's pick (or, for a
+        // conversation, off its own target), if one did.
         let (mut pick, doubled, moved) = match home {
-            Some(home) => (home, true, None),
+            Some(home) => (home, true, rehomed.map(|_| Reason::GroupHome)),
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
                 // that take it cheaply (they hold its prefix, or their cache stays at most
@@ -370,7 +403,6 @@ impl PlacementRule {
                 // holding the group's prefix is kept however busy (the overload guard
                 // aside): the pick's cache cannot hold both groups. While some target
                 // hosts no group, that one can be the group's second home.
-                let every_target_hosts = choices.iter().all(|c| c.homes > 0 && !c.quiet);
                 let pinned = |h: &Choice| {
                     pick.index != h.index
                         && every_target_hosts
@@ -1339,6 +1371,64 @@ mod tests {
         let tight = with_cache(choices(&[7, 1, 2, 2], &cached), 3072.0);
         let p = rule.place(&a, &tight).unwrap();
         assert_ne!(p.index, 0);
+    }
+
+    #[test]
+    fn under_cache_pressure_a_conversation_on_another_groups_home_goes_to_its_own() {
+        let rule = rule();
+        // The conversation's turns were on 1, another group's home; its own group's home is
+        // 0. A 2,000-token system prompt, `history` tokens of it held on 1.
+        let a = |history: f64| Ask {
+            group_home: Some(GroupHome::Known(0)),
+            previous: Some(1),
+            ..ask(2100.0 + history, 2000.0, 7)
+        };
+        let fleet = |loads: &[u64], cached: &[f64], cache: f64| {
+            let mut c = choices(loads, cached);
+            c.iter_mut()
+                .for_each(|c| (c.cache_tokens, c.homes) = (cache, 1));
+            c
+        };
+        let on_1 = |history: f64| [2000.0, 2000.0 + history, 0.0, 0.0];
+        // One prompt fills a cache (3,072 tokens): 200 tokens of history (less than
+        // 2 λ = 600) are not worth the two groups evicting each other on 1.
+        let p = rule
+            .place(&a(200.0), &fleet(&[2, 2, 2, 2], &on_1(200.0), 3072.0))
+            .unwrap();
+        assert_eq!(
+            (p.index, p.reason, p.new_work),
+            (0, Reason::GroupHome, false)
+        );
+        // 700 tokens of history are: it stays.
+        let p = rule
+            .place(&a(700.0), &fleet(&[2, 2, 2, 2], &on_1(700.0), 3072.0))
+            .unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::CacheHit));
+        // Where a cache holds two prompts, the groups do not evict each other: it stays.
+        let p = rule
+            .place(&a(200.0), &fleet(&[2, 2, 2, 2], &on_1(200.0), 8192.0))
+            .unwrap();
+        assert_eq!(p.index, 1);
+        // Nor while some target hosts no group, nor when the home does not hold the
+        // group's prefix yet.
+        let mut c = fleet(&[2, 2, 2, 2], &on_1(200.0), 3072.0);
+        c[3].homes = 0;
+        assert_eq!(rule.place(&a(200.0), &c).unwrap().index, 1);
+        let c = fleet(&[2, 2, 2, 2], &[0.0, 2200.0, 0.0, 0.0], 3072.0);
+        assert_eq!(rule.place(&a(200.0), &c).unwrap().index, 1);
+        // A peer placed it there: the peer's homes are the same, and it moved it on purpose.
+        let from_peer = Ask {
+            previous_from_peer: true,
+            ..a(200.0)
+        };
+        let c = fleet(&[2, 2, 2, 2], &on_1(200.0), 3072.0);
+        assert_eq!(rule.place(&from_peer, &c).unwrap().index, 1);
+        // The overload guard still applies to the home: 12 beyond the least loaded (a
+        // conversation's margin is 10), it goes to the target holding its history.
+        let p = rule
+            .place(&a(200.0), &fleet(&[13, 1, 2, 2], &on_1(200.0), 3072.0))
+            .unwrap();
+        assert_eq!((p.index, p.reason), (1, Reason::Overloaded));
     }
 
     #[test]
