@@ -182,7 +182,7 @@ pub enum Reason {
     CacheCapacity,
     /// A new conversation sent to the home every gateway names for its prefix group,
     /// though another target holds more of the prompt, or, under cache pressure, a
-    /// conversation brought back there from another group's home (see `group_homes`).
+    /// conversation sent there from another group's home (see `group_homes`).
     GroupHome,
     /// New work moved off a target already given more than its share of the recent new
     /// work (`share_bound`, see `placement`).

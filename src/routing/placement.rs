@@ -49,7 +49,7 @@
 //!    conversation's target's cache), a conversation on a target that is not its group's
 //!    home (its group's home moved in a start's burst, or the guard spilled it) goes to
 //!    its group's `Known` home when that holds the group's prefix and what the
-//!    conversation's target holds beyond it is worth less than
+//!    conversation's target holds beyond what the home holds is worth at most
 //!    [`STRANDED_HISTORY_LAMBDAS`] × λ (reason `group_home`): the move costs that
 //!    history; staying keeps two groups evicting each other's prompt there. Not for a
 //!    peer's placement. The home keeps it as the conversation's own target would.
@@ -133,7 +133,7 @@ pub const NEW_HOME_MARGIN: f64 = 1.5;
 /// target (twice the margin) keeps it until the queue costs all of it.
 pub const GUARD_PREFILL_SHARE: f64 = 0.5;
 /// Under cache pressure, a conversation left on another group's home moves to its own
-/// group's home while what it holds beyond the group's prefix there is worth less than
+/// group's home while what its target holds beyond what the home holds is worth at most
 /// this many λ (400 tokens at the default λ, a few turns of chat): its history is lost,
 /// but two groups stop evicting each other's prompt on that replica.
 pub const STRANDED_HISTORY_LAMBDAS: f64 = 2.0;
@@ -354,17 +354,20 @@ impl PlacementRule {
             });
         // Under cache pressure (every target is some group's home), a conversation left on
         // another group's home, where one prompt fills the cache, goes to its own group's
-        // home once that holds the group's prefix, while what it holds beyond it there is
-        // worth less than STRANDED_HISTORY_LAMBDAS × λ. Staying keeps two groups' prompts
+        // home once that holds part of the prompt (the group's prefix), while what its
+        // target holds beyond the home's part is worth at most STRANDED_HISTORY_LAMBDAS ×
+        // λ: the move costs that history. Staying keeps two groups' prompts
         // evicting each other on one replica for the rest of the conversation.
         let every_target_hosts = choices.iter().all(|c| c.homes > 0 && !c.quiet);
         let rehomed = home
             .filter(|t| peer_home.is_none() && every_target_hosts && crowded(t, tokens))
             .and_then(|t| {
-                let Some(GroupHome::Known(h)) = ask.group_home.filter(|_| self.group_homes) else {
+                let Some(GroupHome::Known(home_index)) =
+                    ask.group_home.filter(|_| self.group_homes)
+                else {
                     return None;
                 };
-                choices.iter().find(|c| c.index == h).filter(|h| {
+                choices.iter().find(|c| c.index == home_index).filter(|h| {
                     h.index != t.index
                         && counted(h) > 0.0
                         && counted(t) - counted(h) <= STRANDED_HISTORY_LAMBDAS * lambda
@@ -1409,13 +1412,21 @@ mod tests {
             .place(&a(200.0), &fleet(&[2, 2, 2, 2], &on_1(200.0), 8192.0))
             .unwrap();
         assert_eq!(p.index, 1);
-        // Nor while some target hosts no group, nor when the home does not hold the
-        // group's prefix yet.
+        // Nor while some target hosts no group.
         let mut c = fleet(&[2, 2, 2, 2], &on_1(200.0), 3072.0);
         c[3].homes = 0;
         assert_eq!(rule.place(&a(200.0), &c).unwrap().index, 1);
-        let c = fleet(&[2, 2, 2, 2], &[0.0, 2200.0, 0.0, 0.0], 3072.0);
-        assert_eq!(rule.place(&a(200.0), &c).unwrap().index, 1);
+        // Nor to a home that holds none of the prompt yet: a 300-token system prompt and
+        // 200 tokens of history on 1 (caches of 1,024 tokens hold one such prompt).
+        let short = Ask {
+            group_home: Some(GroupHome::Known(0)),
+            previous: Some(1),
+            ..ask(700.0, 300.0, 7)
+        };
+        let c = fleet(&[2, 2, 2, 2], &[300.0, 500.0, 0.0, 0.0], 1024.0);
+        assert_eq!(rule.place(&short, &c).unwrap().index, 0);
+        let c = fleet(&[2, 2, 2, 2], &[0.0, 500.0, 0.0, 0.0], 1024.0);
+        assert_eq!(rule.place(&short, &c).unwrap().index, 1);
         // A peer placed it there: the peer's homes are the same, and it moved it on purpose.
         let from_peer = Ask {
             previous_from_peer: true,
@@ -1423,8 +1434,13 @@ mod tests {
         };
         let c = fleet(&[2, 2, 2, 2], &on_1(200.0), 3072.0);
         assert_eq!(rule.place(&from_peer, &c).unwrap().index, 1);
-        // The overload guard still applies to the home: 12 beyond the least loaded (a
-        // conversation's margin is 10), it goes to the target holding its history.
+        // The home keeps it as the conversation's own target would: 8 beyond the least
+        // loaded is within a conversation's margin (10)...
+        let p = rule
+            .place(&a(200.0), &fleet(&[9, 1, 2, 2], &on_1(200.0), 3072.0))
+            .unwrap();
+        assert_eq!((p.index, p.reason), (0, Reason::GroupHome));
+        // ...12 beyond it is not: the guard sends it to the target holding its history.
         let p = rule
             .place(&a(200.0), &fleet(&[13, 1, 2, 2], &on_1(200.0), 3072.0))
             .unwrap();
