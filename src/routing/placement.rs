@@ -355,9 +355,9 @@ impl PlacementRule {
         // Under cache pressure (every target is some group's home), a conversation left on
         // another group's home, where one prompt fills the cache, goes to its own group's
         // home once that holds part of the prompt (the group's prefix), while what its
-        // target holds beyond the home's part is worth at most STRANDED_HISTORY_LAMBDAS ×
-        // λ: the move costs that history. Staying keeps two groups' prompts
-        // evicting each other on one replica for the rest of the conversation.
+        // target holds beyond the home's part is worth at most STRANDED_HISTORY_LAMBDAS × λ:
+        // the move costs that history; staying keeps two groups' prompts evicting each
+        // other on one replica for the rest of the conversation.
         let every_target_hosts = choices.iter().all(|c| c.homes > 0 && !c.quiet);
         let rehomed = home
             .filter(|t| peer_home.is_none() && every_target_hosts && crowded(t, tokens))
