@@ -25,14 +25,15 @@
 //! clock is this route's count of new conversations, so a cold start's burst or a lull of
 //! the whole route silences no one.
 //!
-//! Owns the seen-group table, the published assignment, the count of new conversations
-//! (one atomic) and each target's pace on that count (kept with the assignment, carried
-//! over by label when it is rebuilt). Must not decide placement (the rule in `placement` weighs the home against
-//! cache and load) nor do I/O; time is passed in. No global lock on the request path: the
-//! assignment is an `ArcSwap`, the seen groups are dashmap shards (a known group's entry is
-//! read, and written at most once a second), and a first sighting writes one slot of an
-//! array. A rebuild (when a group becomes known, the targets change, or the sweep every
-//! [`SWEEP_EVERY_MS`] forgets a group) runs under a `try_lock`, so no request waits for it.
+//! Owns the seen-group table, the published assignment, the count of new conversations (one
+//! atomic) and each target's pace on that count (kept with the assignment, carried over by
+//! label when it is rebuilt). Must not decide placement (the rule in `placement` weighs the
+//! home against cache and load) nor do I/O; time is passed in. No global lock on the
+//! request path: the assignment is an `ArcSwap`, the seen groups are dashmap shards (a
+//! known group's entry is read, and written at most once a second), and a first sighting
+//! writes one slot of an array. A rebuild (when a group becomes known, the targets change,
+//! or the sweep every [`SWEEP_EVERY_MS`] forgets a group) runs under a `try_lock`, so no
+//! request waits for it.
 
 use super::pace::Pace;
 use super::placement::{fnv1a, rendezvous_hashed, GroupHome};
