@@ -263,7 +263,8 @@ pub struct ProviderConfig {
     /// `routing::cache_aware::trie_bytes_for_kv_cache`), so the trie forgets prompts the
     /// replica has likely evicted; and the placement rule knows the cache's size
     /// (`Candidate::cache_tokens`: the share bound spills only to a cache holding the
-    /// prompt twice; precise_cache_aware's room is half of it less the resident blocks).
+    /// prompt twice; precise_cache_aware's room is half of it less the resident blocks, or
+    /// all of it while the replica holds nothing).
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything

@@ -58,11 +58,14 @@ pub fn trie_bytes_for_kv_cache(kv_cache_tokens: Option<u64>, bytes_per_token: f6
     }
 }
 
-/// Prompt bytes `trie` can take before it is half full, by whichever cap is nearer.
+/// Prompt bytes `trie` can take before it is half full, by whichever cap is nearer; an
+/// empty trie, before it is full: a replica holding nothing evicts no one for a new prefix,
+/// however long.
 pub fn room_bytes(trie: &PrefixTrie) -> f64 {
-    let nodes = (trie.max_nodes() / 2).saturating_sub(trie.node_count()) as f64
+    let share = if trie.node_count() == 0 { 1 } else { 2 };
+    let nodes = (trie.max_nodes() / share).saturating_sub(trie.node_count()) as f64
         * TRIE_PROMPT_BYTES_PER_NODE;
-    let bytes = (trie.max_bytes() / 2).saturating_sub(trie.byte_count()) as f64
+    let bytes = (trie.max_bytes() / share).saturating_sub(trie.byte_count()) as f64
         * (CHUNK_BYTES / HASH_BYTES) as f64;
     nodes.min(bytes)
 }
@@ -400,6 +403,42 @@ mod tests {
         assert!(seen[..3].iter().all(|&n| n > 40), "{seen:?}");
     }
 
+    /// A new conversation whose group's holder is past the load bound opens a home on an
+    /// idle target whose cache would take it without evicting another group: one at most
+    /// half full with it, or an empty one, whose whole cache counts.
+    #[test]
+    fn past_the_load_bound_a_new_conversation_opens_a_home_on_an_empty_target() {
+        let prompt = |group: &str, n: usize| {
+            format!(
+                "C{group}\x1f{}\x1euser\x1fquestion {n}\x1e",
+                "You are a careful assistant. ".repeat(270)
+            )
+        };
+        // Tries capped as for a 3,072-token cache: half of it cannot take a 2,000-token
+        // prompt.
+        let t = tries(3);
+        for trie in &t {
+            trie.set_max_bytes(trie_bytes_for_kv_cache(
+                Some(3072),
+                DEFAULT_PROMPT_BYTES_PER_TOKEN,
+            ));
+        }
+        store(&t[0], prompt("a", 0).as_bytes());
+        store(&t[1], prompt("b", 0).as_bytes());
+        let c = fleet(&t, &[4, 0, 0], &[true; 3]);
+        let d = CacheAware::default()
+            .select(&input(prompt("a", 1).as_bytes()), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (2, Reason::Overloaded));
+        // Once the empty target holds something, only half its cache counts: no target
+        // within the bound takes the prompt cheaply, and the holder keeps it.
+        store(&t[2], prompt("c", 0).as_bytes());
+        let d = CacheAware::default()
+            .select(&input(prompt("a", 1).as_bytes()), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
+    }
+
     /// A group every trie has forgotten (another group's prompts pushed it out) still
     /// counts on its home for the head of its first message, as the replica still holds it.
     #[test]
@@ -423,6 +462,9 @@ mod tests {
                     ));
                 }
             }
+            // Another group's prompt is what every trie holds now.
+            let other = format!("Cother\x1f{}", "Another group's prompt. ".repeat(160));
+            t.iter().for_each(|trie| store(trie, other.as_bytes()));
             let idle = fleet(&t, &[0; 4], &[true; 4]);
             let cs = CacheAware::new(
                 PlacementRule {
@@ -431,7 +473,7 @@ mod tests {
                 },
                 DEFAULT_PROMPT_BYTES_PER_TOKEN,
             );
-            // Two sightings make the group known; nothing is recorded, every trie stays empty.
+            // Two sightings make the group known; none of its prompts is recorded anywhere.
             for n in 0..2 {
                 cs.select(&input(turn(n).as_bytes()), &FleetView::new(&idle))
                     .unwrap();
@@ -744,7 +786,8 @@ mod tests {
         // 512 tokens × 4 B: 2 KiB of prompt.
         let t = PrefixTrie::new(1_000_000);
         t.set_max_bytes(trie_bytes_for_kv_cache(Some(512), 4.0));
-        assert_eq!(room_bytes(&t), 1024.0);
+        // Empty: the whole cache; holding anything: what is left of its first half.
+        assert_eq!(room_bytes(&t), 2048.0);
         let old = key::prompt_key(format!("old {}", "o".repeat(1000)).as_bytes());
         t.insert(&old);
         assert_eq!(t.match_len(&old), old.len());

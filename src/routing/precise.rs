@@ -19,8 +19,9 @@
 //! pressure exact residency shows a group's prefix wherever one of its conversations
 //! spilled, and without homes the group's new conversations spread over those replicas.
 //! The replica's configured cache size (`kv_cache_tokens`) tells the share bound where
-//! spilled work fits, and half of it less the blocks the stream reports resident is the
-//! room the load bound opens new homes in.
+//! spilled work fits, and half of it less the blocks the stream reports resident (all of
+//! it, while the replica holds nothing and nothing is pending there) is the room the load
+//! bound opens new homes in.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
 use super::group_homes::GroupHomes;
@@ -125,12 +126,17 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
 }
 
 /// Tokens `c`'s replica can take while its cache stays at most half full: half its
-/// configured size less the blocks its trusted stream reports resident; 0 when either is
-/// unknown.
+/// configured size less the blocks its trusted stream reports resident; its whole size when
+/// it holds nothing and nothing was routed there lately (a replica holding nothing evicts
+/// no one for a new prefix, however long); 0 when either is unknown.
 fn room_tokens(c: &super::Candidate) -> f64 {
     match c.kv {
         Some(kv) if kv.trusted && c.cache_tokens > 0.0 => {
-            let held = kv.index.block_count() as f64 * f64::from(block_size_of(&kv));
+            let blocks = kv.index.block_count();
+            if blocks == 0 && kv.pending.is_none_or(|p| p.is_empty()) {
+                return c.cache_tokens;
+            }
+            let held = blocks as f64 * f64::from(block_size_of(&kv));
             (c.cache_tokens / 2.0 - held).max(0.0)
         }
         _ => 0.0,
@@ -433,10 +439,14 @@ mod tests {
         // 8,192 tokens: the empty replica has room, the one holding 3,000 other tokens not.
         let d = route(8_192.0);
         assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
+        // 3,072 tokens: half of it cannot take 2,040 tokens, but the empty replica evicts
+        // no one, so its whole cache counts; the one holding 3,000 other tokens has none.
+        let d = route(3_072.0);
+        assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
         // Sizes unknown: no room known anywhere, so the holder keeps it.
         let d = route(0.0);
         assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
-        // An untrusted stream's residency is unknown: no room either.
+        // An untrusted stream's residency is unknown: no room either, empty or not.
         let mut c = cands(&idx, &[4, 0, 0], &[true, false, true]);
         c.iter_mut().for_each(|c| c.cache_tokens = 8_192.0);
         assert_eq!(room_tokens(&c[1]), 0.0);
@@ -444,6 +454,29 @@ mod tests {
         // More resident than half the cache: none, not less than none.
         c[2].cache_tokens = 4_000.0;
         assert_eq!(room_tokens(&c[2]), 0.0);
+        // An empty index whose replica was just sent another prompt (pending, its events not
+        // in yet) is not an empty replica: half its cache counts, too little for this one.
+        let pending = PendingBlocks::default();
+        let empty = |pending| kv_candidate(&idx[1], pending, true, 0, "b");
+        let with_cache = |mut c: Candidate<'_>| {
+            c.cache_tokens = 3_072.0;
+            room_tokens(&c)
+        };
+        assert_eq!(with_cache(empty(Some(&pending))), 3_072.0);
+        let chain = PrefixChain::new(&other, BS, None);
+        pending.note(&chain, 0, 1_000, idx[1].stamp());
+        assert_eq!(with_cache(empty(None)), 3_072.0);
+        assert_eq!(with_cache(empty(Some(&pending))), 1_536.0);
+        let mut c = cands(&idx, &[4, 0, 0], &[true; 3]);
+        c.iter_mut().for_each(|c| c.cache_tokens = 3_072.0);
+        c[1].kv = Some(KvView {
+            pending: Some(&pending),
+            ..c[1].kv.unwrap()
+        });
+        let d = PreciseCacheAware::default()
+            .select(&input(&tokens), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
     }
 
     /// Under cache pressure a group's new conversations go to its home, not to another
