@@ -128,8 +128,8 @@ fn credit_group_home(choices: &mut [Choice], ask: &Ask) {
     let Some(GroupHome::Known(home)) = ask.group_home else {
         return;
     };
-    // Only where the trie has been forgetting: one with room for the prompt while at most
-    // half full has dropped nothing, so its zero is the replica's too.
+    // Only where the trie has been forgetting: one with room for the prompt (at most half
+    // full with it, or empty) has dropped nothing, so its zero is the replica's too.
     if let Some(c) = choices
         .iter_mut()
         .find(|c| c.index == home && c.room_tokens < ask.tokens)
