@@ -17,6 +17,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::residency::{PrefixChain, ResidencyIndex};
 
@@ -33,6 +34,8 @@ pub const DEFAULT_MAX_PENDING: usize = 1 << 16;
 pub struct PendingBlocks {
     inner: Mutex<Inner>,
     max_entries: usize,
+    /// Whether anything was noted since the set was made or last cleared.
+    noted: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +59,7 @@ impl PendingBlocks {
         PendingBlocks {
             inner: Mutex::new(Inner::default()),
             max_entries: max_entries.max(1),
+            noted: AtomicBool::new(false),
         }
     }
 
@@ -67,6 +71,7 @@ impl PendingBlocks {
             return;
         }
         let expires = now_ms.saturating_add(PENDING_TTL_MS);
+        self.noted.store(true, Ordering::Relaxed);
         let mut inner = self.inner.lock();
         inner.drop_expired(now_ms);
         for &h in hashes.iter().take(self.max_entries) {
@@ -123,9 +128,17 @@ impl PendingBlocks {
         self.len() == 0
     }
 
+    /// Whether a request was routed here since the set was made or last cleared, expired
+    /// or not: a replica this gateway sent a prompt is not one that holds nothing, whatever
+    /// its index shows (its events may be late, or lost in a gap).
+    pub fn noted_since_clear(&self) -> bool {
+        self.noted.load(Ordering::Relaxed)
+    }
+
     /// Forget everything (the replica restarted or cleared its cache).
     pub fn clear(&self) {
         *self.inner.lock() = Inner::default();
+        self.noted.store(false, Ordering::Relaxed);
     }
 }
 
@@ -216,9 +229,14 @@ mod tests {
     #[test]
     fn clear_forgets() {
         let p = PendingBlocks::default();
+        assert!(!p.noted_since_clear());
         p.note(&chain(2), 0, 0, 0);
+        // Expired, the note no longer counts as pending, but the target was sent a prompt.
+        assert_eq!(p.run_from(&chain(2), 0, PENDING_TTL_MS, &idx()), 0);
+        assert!(p.noted_since_clear());
         p.clear();
         assert!(p.is_empty());
+        assert!(!p.noted_since_clear());
         assert_eq!(p.run_from(&chain(2), 0, 1, &idx()), 0);
     }
 

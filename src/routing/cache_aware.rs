@@ -11,9 +11,9 @@
 //! target longer than it keeps a new one. Only eligible targets are compared (a broken
 //! replica's empty queue never makes the others look busy). An empty prompt goes to the
 //! least-loaded target (`fallback`). When no trie holds any of a prompt whose group has a
-//! home whose trie is past half full, the home is taken to hold the head of the group's
-//! first message ([`HOME_HEAD_SHARE`]): the trie forgets whole prompts, the replica frees
-//! blocks tail first.
+//! home whose trie has no room for the prompt (it forgets), the home is taken to hold the
+//! head of the group's first message ([`HOME_HEAD_SHARE`]): the trie forgets whole prompts,
+//! the replica frees blocks tail first.
 
 use super::group_homes::GroupHomes;
 use super::placement::{Ask, Choice, GroupHome, PlacementKeys, PlacementRule};
@@ -118,9 +118,9 @@ impl Default for CacheAware {
     }
 }
 
-/// When no view holds any of the prompt, its group has a known home and the home's trie is
-/// past half full (it forgets), credit the home with [`HOME_HEAD_SHARE`] of the group's
-/// first message.
+/// When no view holds any of the prompt, its group has a known home and the home's trie has
+/// no room for the prompt (`room_bytes`: it forgets), credit the home with
+/// [`HOME_HEAD_SHARE`] of the group's first message.
 fn credit_group_home(choices: &mut [Choice], ask: &Ask) {
     if choices.iter().any(|c| c.cached_tokens > 0.0) {
         return;
@@ -430,9 +430,13 @@ mod tests {
             .select(&input(prompt("a", 1).as_bytes()), &FleetView::new(&c))
             .unwrap();
         assert_eq!((d.target, d.reason), (2, Reason::Overloaded));
-        // Once the empty target holds something, only half its cache counts: no target
-        // within the bound takes the prompt cheaply, and the holder keeps it.
-        store(&t[2], prompt("c", 0).as_bytes());
+        // Once the empty target holds something, if only a short prompt, only half its
+        // cache counts: no target within the bound takes the prompt cheaply, and the holder
+        // keeps it.
+        store(
+            &t[2],
+            format!("Cc\x1f{}\x1e", "Brief. ".repeat(30)).as_bytes(),
+        );
         let d = CacheAware::default()
             .select(&input(prompt("a", 1).as_bytes()), &FleetView::new(&c))
             .unwrap();
@@ -446,12 +450,14 @@ mod tests {
         // About 1,000 tokens of system prompt: 30% of it is past the 256 always counted.
         let system = format!("Csystem\x1f{}", "You are a careful assistant. ".repeat(140));
         let turn = |n: usize| format!("{system}\x1euser\x1fquestion {n}\x1e");
-        // Tries capped as for a 1,500-token cache (half of it is less than the prompt: they
-        // forget), then uncapped ones (room for the prompt: a zero there is the replica's).
-        for (capped, homes, credited) in [
-            (true, true, true),
-            (true, false, false),
-            (false, true, false),
+        // Tries capped as for a 1,500-token cache holding another group's prompt (half of it
+        // is less than the prompt: they forget), then uncapped ones (room for the prompt: a
+        // zero there is the replica's), then capped empty ones (they forgot nothing).
+        for (capped, homes, forgotten, credited) in [
+            (true, true, true, true),
+            (true, false, true, false),
+            (false, true, true, false),
+            (true, true, false, false),
         ] {
             let t = tries(4);
             if capped {
@@ -463,8 +469,10 @@ mod tests {
                 }
             }
             // Another group's prompt is what every trie holds now.
-            let other = format!("Cother\x1f{}", "Another group's prompt. ".repeat(160));
-            t.iter().for_each(|trie| store(trie, other.as_bytes()));
+            if forgotten {
+                let other = format!("Cother\x1f{}", "Another group's prompt. ".repeat(160));
+                t.iter().for_each(|trie| store(trie, other.as_bytes()));
+            }
             let idle = fleet(&t, &[0; 4], &[true; 4]);
             let cs = CacheAware::new(
                 PlacementRule {
@@ -481,7 +489,7 @@ mod tests {
             let d = cs
                 .select(&input(turn(2).as_bytes()), &FleetView::new(&idle))
                 .unwrap();
-            let case = format!("capped {capped}, group homes {homes}");
+            let case = format!("capped {capped}, group homes {homes}, forgotten {forgotten}");
             if !credited {
                 assert_eq!(d.reason, Reason::BelowThreshold, "{case}");
                 continue;

@@ -383,8 +383,9 @@ impl PlacementRule {
             None => {
                 // Bounded load: new work skips targets past the bound, but only for targets
                 // that take it cheaply (they hold its prefix, or their cache stays at most
-                // half full with it): spilling a new prefix onto a replica busy with another
-                // group evicts that group or adds a home the fleet's balance did not need.
+                // half full with it, or holds nothing): spilling a new prefix onto a replica
+                // busy with another group evicts that group or adds a home the fleet's
+                // balance did not need.
                 let bound = self.new_work_bound(choices, q_min);
                 let takes = |c: &&Choice| {
                     c.inflight < bound && (counted(c) > 0.0 || c.room_tokens >= tokens)

@@ -20,8 +20,8 @@
 //! spilled, and without homes the group's new conversations spread over those replicas.
 //! The replica's configured cache size (`kv_cache_tokens`) tells the share bound where
 //! spilled work fits, and half of it less the blocks the stream reports resident (all of
-//! it, while the replica holds nothing and nothing is pending there) is the room the load
-//! bound opens new homes in.
+//! it, while the stream reports none and this gateway has routed nothing there) is the
+//! room the load bound opens new homes in.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
 use super::group_homes::GroupHomes;
@@ -127,13 +127,13 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
 
 /// Tokens `c`'s replica can take while its cache stays at most half full: half its
 /// configured size less the blocks its trusted stream reports resident; its whole size when
-/// it holds nothing and nothing was routed there lately (a replica holding nothing evicts
-/// no one for a new prefix, however long); 0 when either is unknown.
+/// it reports none and this gateway has routed nothing there (a replica holding nothing
+/// evicts no one for a new prefix, however long); 0 when either is unknown.
 fn room_tokens(c: &super::Candidate) -> f64 {
     match c.kv {
         Some(kv) if kv.trusted && c.cache_tokens > 0.0 => {
             let blocks = kv.index.block_count();
-            if blocks == 0 && kv.pending.is_none_or(|p| p.is_empty()) {
+            if blocks == 0 && kv.pending.is_none_or(|p| !p.noted_since_clear()) {
                 return c.cache_tokens;
             }
             let held = blocks as f64 * f64::from(block_size_of(&kv));
@@ -454,8 +454,8 @@ mod tests {
         // More resident than half the cache: none, not less than none.
         c[2].cache_tokens = 4_000.0;
         assert_eq!(room_tokens(&c[2]), 0.0);
-        // An empty index whose replica was just sent another prompt (pending, its events not
-        // in yet) is not an empty replica: half its cache counts, too little for this one.
+        // An empty index whose replica was sent another prompt (its events not in yet, or
+        // lost) is not an empty replica: half its cache counts, too little for this one.
         let pending = PendingBlocks::default();
         let empty = |pending| kv_candidate(&idx[1], pending, true, 0, "b");
         let with_cache = |mut c: Candidate<'_>| {
