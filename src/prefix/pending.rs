@@ -11,9 +11,10 @@
 //! went), in the same chained hashes ([`PrefixChain`]).
 //!
 //! Owns only that short-lived set, and whether anything was noted since it was last
-//! cleared (precise routing's test for a replica that holds nothing). Bounded in entries (oldest dropped first); entries
-//! expire by time, read lazily. One mutex per target, held for a few hash-map
-//! operations; no I/O, no clock of its own (callers pass `now_ms`).
+//! cleared (precise routing's test for a replica that holds nothing). Bounded in entries
+//! (oldest dropped first); entries expire by time, read lazily. One mutex per target,
+//! held for a few hash-map operations; no I/O, no clock of its own (callers pass
+//! `now_ms`).
 
 use std::collections::{HashMap, VecDeque};
 
