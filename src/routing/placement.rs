@@ -70,7 +70,8 @@
 //! 8. Bounded share (`share_bound`): new work (its group's home included) skips a target
 //!    already given more than `share_bound` × the mean of the new work recently placed
 //!    on each eligible target (`Choice::placed`; never below the least-given target's
-//!    count + the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean), going to
+//!    count + the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean; on n > 4
+//!    targets the bound's excess over 1 and the 2 shrink by √(4 / n)), going to
 //!    the cheapest target within the bound even if it must prefill the prefix, when its
 //!    cache holds twice the prompt (`Choice::cache_tokens`): conversations bring their
 //!    later turns, so evening out the new ones evens out the requests each target serves.
@@ -110,16 +111,26 @@ pub const DEFAULT_BALANCE_REL: f64 = 1.3;
 pub const DEFAULT_LOAD_BOUND: f64 = 1.5;
 /// Default of `share_bound`: new work skips targets already given more than this multiple
 /// of the eligible targets' mean of recent new work. Chosen by measurement over the
-/// loadtest workloads (docs/routing.md, "Bounded share of new work").
+/// loadtest workloads (docs/routing.md, "Bounded share of new work"). On more than
+/// [`SHARE_BOUND_FLEET`] eligible targets its excess over the mean shrinks
+/// ([`share_fleet_factor`]).
 pub const DEFAULT_SHARE_BOUND: f64 = 1.15;
 /// New work beyond the least-given target's recent count that any target may take before
 /// `share_bound` applies: at low traffic a few conversations are no imbalance.
 pub const SHARE_SLACK: f64 = 4.0;
-/// The share bound's slack in standard deviations of a fair share: a target's count of
-/// `n` conversations dealt at random varies by about √n, so below this many √mean beyond
-/// the least-given target an excess is chance, and a spill for it opens a second home
-/// (a cold prefix) the traffic does not need.
+/// The share bound's slack in standard deviations of a fair share, on up to
+/// [`SHARE_BOUND_FLEET`] eligible targets: a target's count of `n` conversations dealt at
+/// random varies by about √n, so below this many √mean beyond the least-given target an
+/// excess is chance, and a spill for it opens a second home (a cold prefix) the traffic
+/// does not need.
 pub const SHARE_NOISE_SIGMAS: f64 = 2.0;
+/// The fleet size `share_bound` and [`SHARE_NOISE_SIGMAS`] are set for. On more eligible
+/// targets both the bound's excess over the mean and the slack shrink by
+/// √(`SHARE_BOUND_FLEET` / targets) ([`share_fleet_factor`]): a second home the bound
+/// opens costs one prefix out of all the targets' traffic, on sixteen targets a quarter
+/// as much of the fleet's hits as on four, while a target let past the mean is as far
+/// over its share there as anywhere.
+pub const SHARE_BOUND_FLEET: f64 = 4.0;
 /// How much more new work than the least-given target able to host it a target that must
 /// prefill the prompt's prefix may have been given and still take a share-bound spill.
 pub const NEW_HOME_GIVEN_SLACK: f64 = 1.0;
@@ -579,8 +590,10 @@ impl PlacementRule {
 
     /// Most new work a target may have been given recently and still take more:
     /// `share_bound` × the eligible targets' mean, and never below the least-given target's
-    /// count plus the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean.
-    /// Infinite when the bound is off.
+    /// count plus the larger of [`SHARE_SLACK`] and [`SHARE_NOISE_SIGMAS`] × √mean; on more
+    /// than [`SHARE_BOUND_FLEET`] targets, `share_bound`'s excess over 1 and the
+    /// [`SHARE_NOISE_SIGMAS`] are scaled by [`share_fleet_factor`]. Infinite when the bound
+    /// is off.
     pub fn share_cap(&self, choices: &[Choice]) -> f64 {
         if self.share_bound <= 0.0 || choices.is_empty() {
             return f64::INFINITY;
@@ -590,8 +603,10 @@ impl PlacementRule {
             .map(|c| c.placed)
             .fold(f64::INFINITY, f64::min);
         let mean = mean_placed(choices);
-        let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * mean.sqrt());
-        (self.share_bound * mean).max(least + slack)
+        let fleet = share_fleet_factor(choices.len());
+        let bound = 1.0 + (self.share_bound - 1.0) * fleet;
+        let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * fleet * mean.sqrt());
+        (bound * mean).max(least + slack)
     }
 
     /// The overload guard's margin for new work whose pick holds `prefix_tokens` of it:
@@ -634,6 +649,13 @@ impl PlacementRule {
         near.filter(|c| counted(c) >= most_cached)
             .max_by_key(|c| rendezvous(key, c.label))
     }
+}
+
+/// How much of `share_bound`'s excess over the mean and of [`SHARE_NOISE_SIGMAS`] applies
+/// on `targets` eligible targets: all of it up to [`SHARE_BOUND_FLEET`], then
+/// √(`SHARE_BOUND_FLEET` / targets) (half on sixteen).
+pub fn share_fleet_factor(targets: usize) -> f64 {
+    (SHARE_BOUND_FLEET / targets.max(1) as f64).sqrt().min(1.0)
 }
 
 /// The mean of the new work recently placed on each of `choices` (non-empty).
@@ -679,7 +701,10 @@ fn splitmix64(mut z: u64) -> u64 {
 mod tests {
     use super::*;
 
-    const LABELS: [&str; 4] = ["a/m", "b/m", "c/m", "d/m"];
+    const LABELS: [&str; 16] = [
+        "a/m", "b/m", "c/m", "d/m", "e/m", "f/m", "g/m", "h/m", "i/m", "j/m", "k/m", "l/m", "m/m",
+        "n/m", "o/m", "p/m",
+    ];
 
     /// The default rule with λ = 300, the value these cases are worked out for.
     fn rule() -> PlacementRule {
@@ -1100,7 +1125,7 @@ mod tests {
     /// The rule with the share bound's default on.
     fn share_bounded() -> PlacementRule {
         PlacementRule {
-            share_bound: 1.15,
+            share_bound: DEFAULT_SHARE_BOUND,
             ..rule()
         }
     }
@@ -1127,6 +1152,39 @@ mod tests {
         // 17 is past 9 + 2 × √12.5 = 16.1: it spills.
         let past = with_placed(choices(&[0, 0, 0, 0], &cached), &[17.0, 12.0, 9.0, 12.0]);
         assert_eq!(rule.place(&a, &past).unwrap().reason, Reason::ShareBound);
+    }
+
+    #[test]
+    fn on_sixteen_targets_a_smaller_excess_spills() {
+        let rule = share_bounded();
+        // The group's home was given 27 new conversations, every other target 20. On four
+        // targets that is within 2 × √21.75 = 9.3 of the least given: chance, it stays home.
+        // On sixteen the slack is 2 × √(4 / 16) × √20.4 = 4.5 and the bound
+        // 1 + 0.15 × √(4 / 16) = 1.075 × the mean, 22.0: it spills.
+        let spills = |targets: usize| {
+            let mut cached = vec![0.0; targets];
+            cached[0] = 2000.0;
+            let mut given = vec![20.0; targets];
+            given[0] = 27.0;
+            let c = with_placed(choices(&vec![0; targets], &cached), &given);
+            rule.place(&new_conversation_of(0, 5), &c).unwrap().reason == Reason::ShareBound
+        };
+        assert!(!spills(4));
+        assert!(spills(16));
+        assert_eq!(share_fleet_factor(2), 1.0);
+        assert_eq!(share_fleet_factor(4), 1.0);
+        assert_eq!(share_fleet_factor(16), 0.5);
+        // Where the bound, not the slack, sets the cap (10,000 given each, √mean = 100):
+        // 1.15 × the mean on four targets, 1.075 × on sixteen.
+        let cap = |targets: usize| {
+            let c = with_placed(
+                choices(&vec![0; targets], &vec![0.0; targets]),
+                &vec![1e4; targets],
+            );
+            rule.share_cap(&c)
+        };
+        assert!((cap(4) - 11_500.0).abs() < 1e-6, "{}", cap(4));
+        assert!((cap(16) - 10_750.0).abs() < 1e-6, "{}", cap(16));
     }
 
     #[test]
