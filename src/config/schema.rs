@@ -494,8 +494,8 @@ pub struct RouteConfig {
     /// New work skips targets already given more than this multiple of the mean share of
     /// the recent new work while another within it can take it (it holds the prompt's
     /// prefix, or its cache holds the prompt twice); on more than four eligible targets its
-    /// excess over 1 shrinks by √(4 / targets); 0 = no bound (cache_aware,
-    /// precise_cache_aware).
+    /// excess over 1 and the 2 × √mean allowance for chance shrink by √(4 / targets); 0 = no
+    /// bound (cache_aware, precise_cache_aware).
     #[serde(default = "default_share_bound")]
     pub share_bound: f64,
     /// Send a new conversation to the home every gateway names for its prefix group

@@ -125,7 +125,7 @@ pub const SHARE_SLACK: f64 = 4.0;
 /// does not need.
 pub const SHARE_NOISE_SIGMAS: f64 = 2.0;
 /// The fleet size `share_bound` and [`SHARE_NOISE_SIGMAS`] are set for. On more eligible
-/// targets both the bound's excess over the mean and the slack shrink by
+/// targets both the bound's excess over the mean and the √mean allowance shrink by
 /// √(`SHARE_BOUND_FLEET` / targets) ([`share_fleet_factor`]): a second home the bound
 /// opens costs one prefix out of all the targets' traffic, on sixteen targets a quarter
 /// as much of the fleet's hits as on four, while a target let past the mean is as far
@@ -1159,8 +1159,9 @@ mod tests {
         let rule = share_bounded();
         // The group's home was given 27 new conversations, every other target 20. On four
         // targets that is within 2 × √21.75 = 9.3 of the least given: chance, it stays home.
-        // On sixteen the slack is 2 × √(4 / 16) × √20.4 = 4.5 and the bound
-        // 1 + 0.15 × √(4 / 16) = 1.075 × the mean, 22.0: it spills.
+        // On sixteen the bound is 1 + 0.15 × √(4 / 16) = 1.075 × the mean (22.0) and the
+        // slack 2 × √(4 / 16) × √20.4 = 4.5, so the cap is max(22.0, 20 + 4.5) = 24.5 < 27:
+        // it spills (unscaled, max(23.5, 20 + 9.0) = 29.0: it would stay home).
         let spills = |targets: usize| {
             let mut cached = vec![0.0; targets];
             cached[0] = 2000.0;
