@@ -488,14 +488,16 @@ pub struct RouteConfig {
     #[serde(default = "default_balance_rel")]
     pub balance_rel: f64,
     /// New work goes only to targets whose load with it stays within this multiple of the
-    /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware).
+    /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware;
+    /// pipeline: the share bound moves new work only off a target past this one).
     #[serde(default = "default_load_bound")]
     pub load_bound: f64,
     /// New work skips targets already given more than this multiple of the mean share of
     /// the recent new work while another within it can take it (it holds the prompt's
     /// prefix, or its cache holds the prompt twice); on more than four eligible targets its
     /// excess over 1 and the 2 × √mean allowance for chance shrink by √(4 / targets); 0 = no
-    /// bound (cache_aware, precise_cache_aware).
+    /// bound (cache_aware, precise_cache_aware; pipeline, only off a target also past
+    /// `load_bound` and only to a cache that holds the prompt twice).
     #[serde(default = "default_share_bound")]
     pub share_bound: f64,
     /// Send a new conversation to the home every gateway names for its prefix group

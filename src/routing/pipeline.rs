@@ -21,16 +21,31 @@
 //!      rendezvous hashing): over many conversations a target wins cold ties with
 //!      probability weight / Σ weights, so `weight = 2` really means twice the traffic,
 //!      while one conversation's choice is the same on every gateway.
-//! 4. **Argmax** (exact ties broken by label order) — reason `scored`; when the winner is
-//!    truly overloaded (the placement rule's guard, twice the margin for a conversation's
-//!    own target), the argmax among targets within `balance_abs / 2` of the least loaded —
-//!    reason `overloaded`.
+//! 4. **Argmax** (exact ties broken by label order) — reason `scored`.
+//! 5. **Share bound** (new work only: no target holds history beyond the prompt's first
+//!    message): a winner already given more than `share_bound` × the mean of the recent
+//!    new work (the placement rule's cap, [`PlacementRule::share_cap_over`]) and at or
+//!    past `load_bound` × the mean in flight now gives way to the argmax among targets
+//!    within the cap whose cache holds the prompt twice (its `kv_cache_tokens`; unknown
+//!    counts as big enough), among those holding the prefix or given about the least —
+//!    reason `share_bound`. A conversation brings its later turns to where it started, so
+//!    a target handed more than its share of new conversations ends up serving more than
+//!    its share of requests. Both bounds, because a spill costs the conversation's
+//!    prefix: a hot prompt's replica a little over its share but not loaded keeps it (on
+//!    one hot system prompt at 60% of the traffic, the share bound alone lost hit rate
+//!    for no gain in TTFT). Under cache pressure it never spills: without group homes a
+//!    holder of the prefix may host another group.
+//! 6. **Overload guard**: when the target is truly overloaded (the placement rule's guard,
+//!    twice the margin for a conversation's own target), the argmax among targets within
+//!    `balance_abs / 2` of the least loaded — reason `overloaded`.
 //!
 //! When the request is routed, the prompt goes into the winner's trie and the session is
 //! pinned to the winner.
 
 use super::cache_aware::{prefix_scores, prompt_key_of};
-use super::placement::{rendezvous, PlacementRule, CONTINUATION_MIN_TOKENS};
+use super::placement::{
+    cache_crowded, has_room_for_a_home, rendezvous, PlacementRule, CONTINUATION_MIN_TOKENS,
+};
 use super::session::SessionTable;
 use super::{Decision, FleetView, Reason, RouteInput, Strategy};
 use std::sync::Arc;
@@ -105,6 +120,56 @@ impl Pipeline {
     }
 }
 
+/// A scored target: (index, score, counted prefix fraction).
+type Scored = (usize, f64, f64);
+
+impl Pipeline {
+    /// Where new work goes instead of `winner` when `winner` was given more than the share
+    /// bound's cap of the recent new work ([`PlacementRule::share_cap_over`]) and is past
+    /// the load bound now ([`PlacementRule::new_work_bound_over`]): the best
+    /// scored target within the cap whose cache holds the prompt beside another of its
+    /// size, among those holding the prompt's prefix or given no more than the mean and
+    /// about as little as any (the placement rule's rule 8). None to keep `winner`. Under
+    /// cache pressure (no cache holds two such prompts) there is no spill: without group
+    /// homes a holder of the prefix may be another group's replica, and a second group
+    /// there has the two evict each other.
+    fn share_spill(
+        &self,
+        fleet: &FleetView,
+        scored: &[Scored],
+        winner: usize,
+        tokens: f64,
+        argmax: &dyn Fn(&mut dyn Iterator<Item = &Scored>) -> Option<Scored>,
+    ) -> Option<Scored> {
+        let placed = |i: usize| fleet.candidates[i].placed;
+        let all = scored.iter().map(|s| placed(s.0));
+        let cap = self.guard.share_cap_over(all.clone());
+        let inflight = |i: usize| fleet.candidates[i].inflight;
+        let min = scored.iter().map(|s| inflight(s.0)).min()?;
+        let bound = self
+            .guard
+            .new_work_bound_over(scored.iter().map(|s| inflight(s.0)), min);
+        if placed(winner) <= cap || inflight(winner) < bound {
+            return None;
+        }
+        let can_take = |s: &&Scored| {
+            placed(s.0) <= cap && !cache_crowded(fleet.candidates[s.0].cache_tokens, tokens)
+        };
+        let mean = all.sum::<f64>() / scored.len() as f64;
+        let least = scored
+            .iter()
+            .filter(can_take)
+            .map(|s| placed(s.0))
+            .fold(f64::INFINITY, f64::min);
+        argmax(
+            &mut scored
+                .iter()
+                .filter(can_take)
+                .filter(|s| s.2 > 0.0 || has_room_for_a_home(placed(s.0), mean, least)),
+        )
+    }
+}
+
 /// A uniform draw in (0, 1) from a 64-bit hash.
 fn unit(h: u64) -> f64 {
     ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
@@ -145,8 +210,7 @@ impl Strategy for Pipeline {
         } else {
             keys.group
         };
-        // (index, score, counted prefix fraction)
-        let scored: Vec<(usize, f64, f64)> = prefixes
+        let scored: Vec<Scored> = prefixes
             .into_iter()
             .map(|(i, prefix)| {
                 let c = &fleet.candidates[i];
@@ -160,7 +224,7 @@ impl Strategy for Pipeline {
                 )
             })
             .collect();
-        let argmax = |among: &mut dyn Iterator<Item = &(usize, f64, f64)>| {
+        let argmax = |among: &mut dyn Iterator<Item = &Scored>| {
             among
                 .max_by(|a, b| {
                     a.1.total_cmp(&b.1)
@@ -171,6 +235,15 @@ impl Strategy for Pipeline {
         let (mut target, _, mut prefix) = argmax(&mut scored.iter())?;
         let mut reason = Reason::Scored;
         let continuation = prefix * tokens - first_tokens > CONTINUATION_MIN_TOKENS;
+        // New work (a prompt no target holds history of beyond its first message; not a
+        // pass-through request, which has no prompt and brings no later turns).
+        let new_work = !continuation && input.prompt_len() > 0;
+        if new_work {
+            if let Some(other) = self.share_spill(fleet, &scored, target, tokens, &argmax) {
+                (target, _, prefix) = other;
+                reason = Reason::ShareBound;
+            }
+        }
         let margin = self
             .guard
             .balance_abs
@@ -193,7 +266,7 @@ impl Strategy for Pipeline {
             score: Some(prefix),
             hint: None,
             conversation: None,
-            new_work: false,
+            new_work,
         })
     }
 
@@ -474,5 +547,68 @@ mod tests {
         };
         let first = home(0);
         assert!((1..40).all(|i| home(i) == first));
+    }
+
+    /// Bounded share: a target given more than the share bound's cap of the recent new
+    /// work, and past the load bound now, passes new conversations on to one within the cap
+    /// (rule 8 of `placement`), even where the prefix must be prefilled first, when that
+    /// target's cache holds the prompt beside another; a conversation's later turns stay on
+    /// their history.
+    #[test]
+    fn a_busy_target_past_its_share_of_new_work_passes_new_conversations_on() {
+        let t = tries(4);
+        // About 2,000 tokens: one request in flight is worth a tenth of the prompt.
+        let system = format!("Csystem\x1f{}\x1e", "S".repeat(8000));
+        let history = format!("{system}user\x1fq\x1eassistant\x1f{}\x1e", "A".repeat(400));
+        store(&t[0], format!("{system}user\x1fearlier\x1e").as_bytes());
+        store(&t[0], history.as_bytes());
+        let new = |i: usize| format!("{system}user\x1fnew question {i}\x1e");
+        let next = format!("{history}user\x1fand then\x1e");
+        let decide = |prompt: &str, loads: [u64; 4], placed: [f64; 4], cache_tokens: f64| {
+            let mut c = fleet(&t, &loads, &[1, 1, 1, 1], &[true; 4]);
+            for (c, p) in c.iter_mut().zip(placed) {
+                c.placed = p;
+                c.cache_tokens = cache_tokens;
+            }
+            let d = pipeline()
+                .select(&input(prompt.as_bytes(), None, 0), &FleetView::new(&c))
+                .unwrap();
+            (d.target, d.reason, d.new_work)
+        };
+        // Load bound: ceil(1.5 × (2 + 1) / 4) = 2, the least loaded + 2 = 2: t0 is at it.
+        let busy = [2, 0, 0, 0];
+        // Share cap: the least given (0) + the slack of 4. Within it t0 keeps new work.
+        assert_eq!(
+            decide(&new(0), busy, [4.0, 0.0, 0.0, 0.0], 0.0),
+            (0, Reason::Scored, true)
+        );
+        let (target, reason, new_work) = decide(&new(0), busy, [4.5, 0.0, 0.0, 0.0], 0.0);
+        assert!(target != 0 && reason == Reason::ShareBound && new_work);
+        // Past its share but below the load bound: it keeps it.
+        assert_eq!(
+            decide(&new(0), [1, 0, 0, 0], [10.0, 0.0, 0.0, 0.0], 0.0),
+            (0, Reason::Scored, true)
+        );
+        // Cold targets take the spill only when given about as little as any: of t1..t3
+        // (given 3, 1, 3; mean 4.25) only t2, whatever the weight keys say.
+        for i in 0..20 {
+            assert_eq!(
+                decide(&new(i), busy, [10.0, 3.0, 1.0, 3.0], 0.0),
+                (2, Reason::ShareBound, true)
+            );
+        }
+        // Caches that cannot hold a second prompt of this size: no spill.
+        let tokens = new(0).len() as f64 / 4.0;
+        assert_eq!(
+            decide(&new(0), busy, [10.0, 0.0, 0.0, 0.0], 1.5 * tokens),
+            (0, Reason::Scored, true)
+        );
+        // A conversation's next turn is not new work: it stays with its history.
+        assert_eq!(
+            decide(&next, busy, [10.0, 0.0, 0.0, 0.0], 0.0),
+            (0, Reason::Scored, false)
+        );
+        // Nor is a pass-through request (no prompt).
+        assert!(!decide("", busy, [0.0; 4], 0.0).2);
     }
 }

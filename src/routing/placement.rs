@@ -466,8 +466,7 @@ impl PlacementRule {
                     let hosts = |c: &&Choice| {
                         can_take(c)
                             && (counted(c) > 0.0
-                                || (c.placed <= mean_given
-                                    && c.placed <= least_given + NEW_HOME_GIVEN_SLACK))
+                                || has_room_for_a_home(c.placed, mean_given, least_given))
                     };
                     self.cheapest(ask, choices.iter().filter(hosts), &cost, &counted)
                 };
@@ -561,11 +560,21 @@ impl PlacementRule {
     /// its share of the traffic (several gateways) must not spill on a difference of one.
     /// A group whose homes are all past the bound opens a new home instead of queueing.
     pub fn new_work_bound(&self, choices: &[Choice], q_min: u64) -> u64 {
+        self.new_work_bound_over(choices.iter().map(|c| c.inflight), q_min)
+    }
+
+    /// [`Self::new_work_bound`] over the eligible targets' in-flight counts.
+    pub fn new_work_bound_over(
+        &self,
+        inflight: impl ExactSizeIterator<Item = u64>,
+        q_min: u64,
+    ) -> u64 {
         if self.load_bound <= 0.0 {
             return u64::MAX;
         }
-        let total: u64 = choices.iter().map(|c| c.inflight).sum();
-        let mean = (total + 1) as f64 / choices.len().max(1) as f64;
+        let targets = inflight.len();
+        let total: u64 = inflight.sum();
+        let mean = (total + 1) as f64 / targets.max(1) as f64;
         let cap = (self.load_bound * mean).ceil() as u64;
         cap.max(q_min + 2)
     }
@@ -595,15 +604,18 @@ impl PlacementRule {
     /// [`SHARE_NOISE_SIGMAS`] are scaled by [`share_fleet_factor`]. Infinite when the bound
     /// is off.
     pub fn share_cap(&self, choices: &[Choice]) -> f64 {
-        if self.share_bound <= 0.0 || choices.is_empty() {
+        self.share_cap_over(choices.iter().map(|c| c.placed))
+    }
+
+    /// [`Self::share_cap`] over the eligible targets' counts of recent new work.
+    pub fn share_cap_over(&self, placed: impl Iterator<Item = f64> + Clone) -> f64 {
+        let targets = placed.clone().count();
+        if self.share_bound <= 0.0 || targets == 0 {
             return f64::INFINITY;
         }
-        let least = choices
-            .iter()
-            .map(|c| c.placed)
-            .fold(f64::INFINITY, f64::min);
-        let mean = mean_placed(choices);
-        let fleet = share_fleet_factor(choices.len());
+        let least = placed.clone().fold(f64::INFINITY, f64::min);
+        let mean = placed.sum::<f64>() / targets as f64;
+        let fleet = share_fleet_factor(targets);
         let bound = 1.0 + (self.share_bound - 1.0) * fleet;
         let slack = SHARE_SLACK.max(SHARE_NOISE_SIGMAS * fleet * mean.sqrt());
         (bound * mean).max(least + slack)
@@ -666,7 +678,21 @@ fn mean_placed(choices: &[Choice]) -> f64 {
 /// Whether `c`'s cache (if known) holds less than twice a prompt of `tokens`: a second
 /// group's prompt there evicts the first's.
 fn crowded(c: &Choice, tokens: f64) -> bool {
-    c.cache_tokens > 0.0 && c.cache_tokens < 2.0 * tokens
+    cache_crowded(c.cache_tokens, tokens)
+}
+
+/// Whether a cache of `cache_tokens` (0: unknown) holds less than twice a prompt of
+/// `tokens`.
+pub fn cache_crowded(cache_tokens: f64, tokens: f64) -> bool {
+    cache_tokens > 0.0 && cache_tokens < 2.0 * tokens
+}
+
+/// Whether a target given `placed` new work recently, which must prefill the prompt's
+/// prefix, may take new work the share bound moved off another target: given no more than
+/// the mean (`mean_given`) and at most [`NEW_HOME_GIVEN_SLACK`] more than the least-given
+/// target able to take it (`least_given`). A second home goes where there is room for it.
+pub fn has_room_for_a_home(placed: f64, mean_given: f64, least_given: f64) -> bool {
+    placed <= mean_given && placed <= least_given + NEW_HOME_GIVEN_SLACK
 }
 
 /// Rendezvous (highest-random-weight) weight of `key` on the target `label`.
