@@ -489,7 +489,8 @@ pub struct RouteConfig {
     pub balance_rel: f64,
     /// New work goes only to targets whose load with it stays within this multiple of the
     /// fleet's mean (or the least loaded); 0 = no bound (cache_aware, precise_cache_aware;
-    /// pipeline: the share bound moves new work only off a target past this one).
+    /// pipeline: the share bound moves new work only off a target past this one, never
+    /// with 0).
     #[serde(default = "default_load_bound")]
     pub load_bound: f64,
     /// New work skips targets already given more than this multiple of the mean share of

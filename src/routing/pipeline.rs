@@ -1,4 +1,5 @@
-//! `pipeline`: filter → score → argmax, with session affinity (SPEC §4, issue 5).
+//! `pipeline`: filter → score → argmax, with session affinity (SPEC §4, issue 5) and a
+//! bound on the share of new conversations a busy target takes.
 //!
 //! 1. **Filter**: only eligible targets (healthy, not cooling down, circuit not open)
 //!    that this request has not already tried.
@@ -22,19 +23,20 @@
 //!      probability weight / Σ weights, so `weight = 2` really means twice the traffic,
 //!      while one conversation's choice is the same on every gateway.
 //! 4. **Argmax** (exact ties broken by label order) — reason `scored`.
-//! 5. **Share bound** (new work only: no target holds history beyond the prompt's first
-//!    message): a winner already given more than `share_bound` × the mean of the recent
-//!    new work (the placement rule's cap, [`PlacementRule::share_cap_over`]) and at or
-//!    past `load_bound` × the mean in flight now gives way to the argmax among targets
-//!    within the cap whose cache holds the prompt twice (its `kv_cache_tokens`; unknown
-//!    counts as big enough), among those holding the prefix or given about the least —
-//!    reason `share_bound`. A conversation brings its later turns to where it started, so
-//!    a target handed more than its share of new conversations ends up serving more than
-//!    its share of requests. Both bounds, because a spill costs the conversation's
-//!    prefix: a hot prompt's replica a little over its share but not loaded keeps it (on
-//!    one hot system prompt at 60% of the traffic, the share bound alone lost hit rate
-//!    for no gain in TTFT). Under cache pressure it never spills: without group homes a
-//!    holder of the prefix may host another group.
+//! 5. **Share bound** (new work only: a prompt no target holds history of beyond its
+//!    first message): a winner already given more than `share_bound` × the mean of the
+//!    recent new work (the placement rule's cap, [`PlacementRule::share_cap_over`]) and
+//!    with at least `ceil(load_bound × mean)` in flight (counting this request, never
+//!    below the least loaded + 2) gives way to the argmax among targets within both
+//!    bounds whose cache holds the prompt twice (its `kv_cache_tokens`; unknown counts as
+//!    big enough), among those holding the prefix or given about the least — reason
+//!    `share_bound`. Either bound at 0 turns this step off. A conversation brings its
+//!    later turns to where it started, so a target handed more than its share of new
+//!    conversations ends up serving more than its share of requests. Both bounds, because
+//!    a spill costs the conversation's prefix: a hot prompt's replica a little over its
+//!    share but not loaded keeps it (on one hot system prompt at 60% of the traffic, the
+//!    share bound alone lost hit rate for no gain in TTFT). Under cache pressure it never
+//!    spills: without group homes a holder of the prefix may host another group.
 //! 6. **Overload guard**: when the target is truly overloaded (the placement rule's guard,
 //!    twice the margin for a conversation's own target), the argmax among targets within
 //!    `balance_abs / 2` of the least loaded — reason `overloaded`.
@@ -118,34 +120,29 @@ impl Pipeline {
                     .overloaded(fleet.candidates[i].inflight, min, margin)
             })
     }
-}
 
-/// A scored target: (index, score, counted prefix fraction).
-type Scored = (usize, f64, f64);
-
-impl Pipeline {
     /// Where new work goes instead of `winner` when `winner` was given more than the share
-    /// bound's cap of the recent new work ([`PlacementRule::share_cap_over`]) and is past
-    /// the load bound now ([`PlacementRule::new_work_bound_over`]): the best
-    /// scored target within the cap whose cache holds the prompt beside another of its
-    /// size, among those holding the prompt's prefix or given no more than the mean and
-    /// about as little as any (the placement rule's rule 8). None to keep `winner`. Under
-    /// cache pressure (no cache holds two such prompts) there is no spill: without group
-    /// homes a holder of the prefix may be another group's replica, and a second group
-    /// there has the two evict each other.
+    /// bound's cap of the recent new work ([`PlacementRule::share_cap_over`]) and has at
+    /// least the load bound's count in flight ([`PlacementRule::new_work_bound_over`]:
+    /// `ceil(load_bound × mean)` counting this request, never below the least loaded + 2):
+    /// the best-scored target within both bounds whose cache holds the prompt beside
+    /// another of its size, among those holding the prompt's prefix or given no more than
+    /// the mean and about as little as any (the placement rule's rule 8). None to keep
+    /// `winner`, and always with either bound off (0). Under cache pressure (no cache holds
+    /// two such prompts) there is no spill: without group homes a holder of the prefix may
+    /// be another group's replica, and a second group there has the two evict each other.
     fn share_spill(
         &self,
         fleet: &FleetView,
         scored: &[Scored],
         winner: usize,
-        tokens: f64,
-        argmax: &dyn Fn(&mut dyn Iterator<Item = &Scored>) -> Option<Scored>,
+        (tokens, min): (f64, u64),
+        argmax: &Argmax,
     ) -> Option<Scored> {
         let placed = |i: usize| fleet.candidates[i].placed;
+        let inflight = |i: usize| fleet.candidates[i].inflight;
         let all = scored.iter().map(|s| placed(s.0));
         let cap = self.guard.share_cap_over(all.clone());
-        let inflight = |i: usize| fleet.candidates[i].inflight;
-        let min = scored.iter().map(|s| inflight(s.0)).min()?;
         let bound = self
             .guard
             .new_work_bound_over(scored.iter().map(|s| inflight(s.0)), min);
@@ -153,7 +150,9 @@ impl Pipeline {
             return None;
         }
         let can_take = |s: &&Scored| {
-            placed(s.0) <= cap && !cache_crowded(fleet.candidates[s.0].cache_tokens, tokens)
+            placed(s.0) <= cap
+                && inflight(s.0) < bound
+                && !cache_crowded(fleet.candidates[s.0].cache_tokens, tokens)
         };
         let mean = all.sum::<f64>() / scored.len() as f64;
         let least = scored
@@ -169,6 +168,12 @@ impl Pipeline {
         )
     }
 }
+
+/// A scored target: (index, score, counted prefix fraction).
+type Scored = (usize, f64, f64);
+
+/// The best of some scored targets (exact ties broken by label order).
+type Argmax<'a> = dyn Fn(&mut dyn Iterator<Item = &Scored>) -> Option<Scored> + 'a;
 
 /// A uniform draw in (0, 1) from a 64-bit hash.
 fn unit(h: u64) -> f64 {
@@ -234,12 +239,14 @@ impl Strategy for Pipeline {
         };
         let (mut target, _, mut prefix) = argmax(&mut scored.iter())?;
         let mut reason = Reason::Scored;
-        let continuation = prefix * tokens - first_tokens > CONTINUATION_MIN_TOKENS;
-        // New work (a prompt no target holds history of beyond its first message; not a
-        // pass-through request, which has no prompt and brings no later turns).
-        let new_work = !continuation && input.prompt_len() > 0;
+        let history = |prefix: f64| prefix * tokens - first_tokens > CONTINUATION_MIN_TOKENS;
+        let continuation = history(prefix);
+        // New work: a prompt no target holds history of beyond its first message (not a
+        // pass-through request either: it has no prompt and brings no later turns).
+        let new_work =
+            input.prompt_len() > 0 && !scored.iter().any(|&(_, _, prefix)| history(prefix));
         if new_work {
-            if let Some(other) = self.share_spill(fleet, &scored, target, tokens, &argmax) {
+            if let Some(other) = self.share_spill(fleet, &scored, target, (tokens, min), &argmax) {
                 (target, _, prefix) = other;
                 reason = Reason::ShareBound;
             }
@@ -589,8 +596,8 @@ mod tests {
             decide(&new(0), [1, 0, 0, 0], [10.0, 0.0, 0.0, 0.0], 0.0),
             (0, Reason::Scored, true)
         );
-        // Cold targets take the spill only when given about as little as any: of t1..t3
-        // (given 3, 1, 3; mean 4.25) only t2, whatever the weight keys say.
+        // Cold targets take the spill only when given at most one more than the least given
+        // that can take it: of t1..t3 (given 3, 1, 3) only t2, whatever the weight keys say.
         for i in 0..20 {
             assert_eq!(
                 decide(&new(i), busy, [10.0, 3.0, 1.0, 3.0], 0.0),
@@ -610,5 +617,17 @@ mod tests {
         );
         // Nor is a pass-through request (no prompt).
         assert!(!decide("", busy, [0.0; 4], 0.0).2);
+        // A holder of the prefix (t1: the first half of the system prompt) takes it though
+        // given more than a cold target could be (3 against the least given 0).
+        store(&t[1], format!("Csystem\x1f{}", "S".repeat(4000)).as_bytes());
+        for i in 0..20 {
+            assert_eq!(
+                decide(&new(i), busy, [10.0, 3.0, 0.0, 0.0], 0.0),
+                (1, Reason::ShareBound, true)
+            );
+        }
+        // Unless it is past the load bound itself.
+        let (target, reason, _) = decide(&new(0), [2, 2, 0, 0], [10.0, 3.0, 0.0, 0.0], 0.0);
+        assert!(target >= 2 && reason == Reason::ShareBound);
     }
 }

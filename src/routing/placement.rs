@@ -5,7 +5,9 @@
 //! Owns the cost model, the overload guard and deterministic tie-breaking. It sees each
 //! eligible target only as [`Choice`] (in flight, tokens of the prompt it holds, room left
 //! in its cache, new work recently given to it, label): where those come from (a prefix
-//! trie, a KV residency index, the fleet's counters) is the caller's job.
+//! trie, a KV residency index, the fleet's counters) is the caller's job. `pipeline`,
+//! which scores targets its own way, borrows its overload guard and the load and share
+//! bounds (`new_work_bound_over`, `share_cap_over`, `has_room_for_a_home`, `cache_crowded`).
 //! No I/O, no clocks, no randomness.
 //!
 //! The rule, for a prompt of `P` tokens over eligible targets `t` (load `q_t`, the fewest
