@@ -610,8 +610,8 @@ impl PlacementRule {
     }
 
     /// [`Self::share_cap`] over the eligible targets' counts of recent new work.
-    pub fn share_cap_over(&self, placed: impl Iterator<Item = f64> + Clone) -> f64 {
-        let targets = placed.clone().count();
+    pub fn share_cap_over(&self, placed: impl ExactSizeIterator<Item = f64> + Clone) -> f64 {
+        let targets = placed.len();
         if self.share_bound <= 0.0 || targets == 0 {
             return f64::INFINITY;
         }
