@@ -16,6 +16,8 @@
 #   GATEWAYS=2 SUFFIX=-2gw STRATEGIES=cache_aware,pipeline,precise_cache_aware \
 #     WORKLOADS="multi-turn multi-turn-pressure" loadtest/run.sh   # +rows behind 2 gateways
 #   PEERING=1 with GATEWAYS=N adds rows behind N peered gateways (S@Np, `[peering]`)
+#   WITHOUT_KV_CACHE_TOKENS=1 SUFFIX=-unsized WORKLOADS=multi-turn-pressure \
+#     STRATEGIES=cache_aware,precise_cache_aware loadtest/run.sh   # no kv_cache_tokens set
 #   (peer gateways as rows: loadtest/peers.sh, which installs them and then runs this script)
 #
 # The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
@@ -51,6 +53,7 @@ SLO_TTFT_MS="${SLO_TTFT_MS:-500}"
 COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 120
   --repeats "$REPEATS" --gateways "$GATEWAYS" --slo-ttft-ms "$SLO_TTFT_MS")
 if [ "${PEERING:-0}" = 1 ]; then COMMON+=(--peering); fi
+if [ "${WITHOUT_KV_CACHE_TOKENS:-0}" = 1 ]; then COMMON+=(--without-kv-cache-tokens); fi
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)

@@ -222,10 +222,22 @@ async fn routing_file_and_direct_compare() {
         "sim",
         "sim-model",
         &["trie_max_nodes = 5000".to_string()],
+        true,
     );
     let v: toml::Value = toml::from_str(&text).unwrap();
     assert_eq!(v["routes"][0]["trie_max_nodes"].as_integer(), Some(5000));
     assert!(v["routes"][0]["targets"][0].get("trie_max_nodes").is_none());
+    // --without-kv-cache-tokens: no provider gets a cache size; the rest is unchanged.
+    for strategy in ["cache_aware", "precise_cache_aware"] {
+        let text = routes_toml_with(&fleet, strategy, "sim", "sim-model", &[], false);
+        let v: toml::Value = toml::from_str(&text).unwrap();
+        let providers = v["providers"].as_array().unwrap();
+        assert!(providers.iter().all(|p| p.get("kv_cache_tokens").is_none()));
+        assert_eq!(
+            providers[0].get("kv_events").is_some(),
+            strategy == "precise_cache_aware"
+        );
+    }
     fleet.shutdown().await;
 
     // compare's per-strategy step, without a gateway.

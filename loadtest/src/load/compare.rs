@@ -211,6 +211,10 @@ pub struct CompareArgs {
     /// --route-option 'cache_threshold = 0.6'.
     #[arg(long = "route-option")]
     pub route_options: Vec<String>,
+    /// Leave the providers' `kv_cache_tokens` out of the routing file (by default each gets
+    /// its replica's cache size, as an operator copies it from vLLM's log).
+    #[arg(long)]
+    pub without_kv_cache_tokens: bool,
     /// Markdown output (default loadtest/reports/<workload>.md); a .json copy is written beside.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -305,6 +309,7 @@ async fn start_rolter(
         &driver.request_model,
         &compare.upstream_model,
         &compare.route_options,
+        !compare.without_kv_cache_tokens,
     );
     let peer_ports = if peering {
         udp_ports(count).map_err(|e| format!("picking peering ports: {e}"))?

@@ -21,16 +21,19 @@ pub fn routes_toml(
     model: &str,
     upstream_model: &str,
 ) -> String {
-    routes_toml_with(fleet, strategy, model, upstream_model, &[])
+    routes_toml_with(fleet, strategy, model, upstream_model, &[], true)
 }
 
-/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`).
+/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`),
+/// and the providers' `kv_cache_tokens` only when `kv_cache_tokens` (`compare
+/// --without-kv-cache-tokens` leaves it out, as an operator who never copied it would).
 pub fn routes_toml_with(
     fleet: &FleetHandle,
     strategy: &str,
     model: &str,
     upstream_model: &str,
     route_options: &[String],
+    kv_cache_tokens: bool,
 ) -> String {
     let mut s = String::from("# Written by rolter-load compare.\n");
     for r in fleet.replicas() {
@@ -40,7 +43,8 @@ pub fn routes_toml_with(
             r.index,
             r.base_url()
         );
-        if matches!(strategy, "cache_aware" | "pipeline" | "precise_cache_aware") {
+        if kv_cache_tokens && matches!(strategy, "cache_aware" | "pipeline" | "precise_cache_aware")
+        {
             // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
             let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
         }
