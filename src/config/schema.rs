@@ -264,7 +264,9 @@ pub struct ProviderConfig {
     /// replica has likely evicted; and the placement rule knows the cache's size
     /// (`Candidate::cache_tokens`: the share bound spills only to a cache holding the
     /// prompt twice; precise_cache_aware's room is half of it less the resident blocks, or
-    /// all of it while the replica holds nothing).
+    /// all of it while the replica holds nothing). Unset, precise_cache_aware uses the size
+    /// the replica's KV events show once it has evicted a block
+    /// (`ResidencyIndex::capacity_blocks`).
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything

@@ -38,6 +38,14 @@
 //! - The block size is learned from the first store that carries tokens; stores of
 //!   another size are skipped (`foreign_block_size_stores`).
 //!
+//! Cache size: vLLM evicts a cached block only to reuse it, once every block has been
+//! used (its never-used blocks are handed out first), so the GPU blocks resident when the
+//! first GPU removal arrives, and the most resident since, are the replica's cache size in
+//! blocks less those running requests hold unfinished. [`ResidencyIndex::capacity_blocks`]
+//! reports that high-water mark from the first known GPU removal on. A clear (a restart,
+//! a gap, `AllBlocksCleared`) starts a new count but keeps the last one until the new one
+//! has seen a removal.
+//!
 //! Bounds: at most `max_entries` entries (resident or remembered; a reload may change
 //! the cap, evicting down to it at once); past that the oldest remembered-removed
 //! entries go first, then the least recently stored resident ones. Eviction queues are
@@ -311,6 +319,11 @@ struct Inner {
     /// for [`ResidencyIndex::with_evictions`].
     gone: HashMap<u64, u64, MixBuild>,
     gone_q: VecDeque<(u64, u64)>,
+    /// Most entries resident on GPU at once since this count started.
+    gpu_high_water: usize,
+    /// A known GPU-resident block was removed since this count started: the replica's cache
+    /// has been full.
+    gpu_evicted: bool,
 }
 
 /// Most evicted own hashes remembered for [`ResidencyIndex::with_evictions`]: the pending
@@ -403,6 +416,7 @@ impl Inner {
         if old_own.is_none() {
             self.enforce_cap(max_entries, stats);
         }
+        self.gpu_high_water = self.gpu_high_water.max(self.gpu_entries);
         self.maybe_compact();
     }
 
@@ -422,6 +436,7 @@ impl Inner {
         );
         self.resident_q.push_back((key, stamp));
         stats.blocks_stored += 1;
+        self.gpu_high_water = self.gpu_high_water.max(self.gpu_entries);
         self.maybe_compact();
         true
     }
@@ -436,6 +451,7 @@ impl Inner {
             return;
         }
         let now = e.tiers & !tier;
+        self.gpu_evicted |= tier & TIER_GPU != 0;
         self.retier(e.own, e.tiers, now);
         let stamp = if now == 0 {
             // Remember the mapping for parent lookups; evictable first.
@@ -570,6 +586,8 @@ pub struct ResidencyIndex {
     block_size: AtomicU32,
     /// `Inner::gpu_entries` for lock-free reads, stored under the write lock.
     gpu_blocks: AtomicUsize,
+    /// The learned cache size in blocks (0 = not yet; see the module header).
+    capacity_blocks: AtomicUsize,
 }
 
 impl Default for ResidencyIndex {
@@ -586,6 +604,7 @@ impl ResidencyIndex {
             max_entries: AtomicUsize::new(max_entries.max(1)),
             block_size: AtomicU32::new(0),
             gpu_blocks: AtomicUsize::new(0),
+            capacity_blocks: AtomicUsize::new(0),
         }
     }
 
@@ -620,6 +639,10 @@ impl ResidencyIndex {
         self.block_size
             .store(inner.block_size.unwrap_or(0), Ordering::Relaxed);
         self.gpu_blocks.store(inner.gpu_entries, Ordering::Relaxed);
+        if inner.gpu_evicted {
+            self.capacity_blocks
+                .store(inner.gpu_high_water, Ordering::Relaxed);
+        }
         stats
     }
 
@@ -705,6 +728,15 @@ impl ResidencyIndex {
     /// Blocks resident on GPU (entries with the GPU tier), without taking the lock.
     pub fn block_count(&self) -> usize {
         self.gpu_blocks.load(Ordering::Relaxed)
+    }
+
+    /// The replica's GPU cache size in blocks as its events show it: the most blocks
+    /// resident at once, once it has evicted one (see the module header). `None` until then.
+    pub fn capacity_blocks(&self) -> Option<usize> {
+        match self.capacity_blocks.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
     }
 
     /// Entries held, resident or remembered for parent lookups (≤ the cap).

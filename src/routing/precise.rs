@@ -18,10 +18,13 @@
 //! one), as for `cache_aware`, and so does the group's home (`group_homes`): under cache
 //! pressure exact residency shows a group's prefix wherever one of its conversations
 //! spilled, and without homes the group's new conversations spread over those replicas.
-//! The replica's configured cache size (`kv_cache_tokens`) tells the share bound where
-//! spilled work fits, and half of it less the blocks the stream reports resident (all of
-//! it, while the stream reports none and this gateway has routed nothing there) is the
-//! room the load bound opens new homes in.
+//! The replica's cache size tells the share bound where spilled work fits and the group
+//! homes when the fleet is under cache pressure, and half of it less the blocks the stream
+//! reports resident (all of it, while the stream reports none and this gateway has routed
+//! nothing there) is the room the load bound opens new homes in. It is the provider's
+//! `kv_cache_tokens` when set, else what the replica's own events show once it has evicted
+//! a block (the most blocks resident at once, `ResidencyIndex::capacity_blocks`): exact
+//! residency needs no cache size from the operator.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
 use super::group_homes::GroupHomes;
@@ -125,19 +128,34 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
         .collect()
 }
 
+/// Tokens `c`'s replica's KV cache holds: its configured `kv_cache_tokens`, else the size its
+/// events have shown ([`ResidencyIndex::capacity_blocks`]: the most blocks resident once it
+/// has evicted one); 0 while unknown.
+fn cache_tokens(c: &super::Candidate) -> f64 {
+    if c.cache_tokens > 0.0 {
+        return c.cache_tokens;
+    }
+    c.kv.and_then(|kv| {
+        let blocks = kv.index.capacity_blocks()?;
+        Some(blocks as f64 * f64::from(kv.index.block_size()?))
+    })
+    .unwrap_or(0.0)
+}
+
 /// Tokens `c`'s replica can take while its cache stays at most half full: half its
-/// configured size less the blocks its trusted stream reports resident; its whole size when
-/// it reports none and this gateway has routed nothing there (a replica holding nothing
-/// evicts no one for a new prefix, however long); 0 when either is unknown.
+/// cache size ([`cache_tokens`]) less the blocks its trusted stream reports resident; its
+/// whole size when it reports none and this gateway has routed nothing there (a replica
+/// holding nothing evicts no one for a new prefix, however long); 0 when either is unknown.
 fn room_tokens(c: &super::Candidate) -> f64 {
+    let size = cache_tokens(c);
     match c.kv {
-        Some(kv) if kv.trusted && c.cache_tokens > 0.0 => {
+        Some(kv) if kv.trusted && size > 0.0 => {
             let blocks = kv.index.block_count();
             if blocks == 0 && kv.pending.is_none_or(|p| !p.noted_since_clear()) {
-                return c.cache_tokens;
+                return size;
             }
             let held = blocks as f64 * f64::from(block_size_of(&kv));
-            (c.cache_tokens / 2.0 - held).max(0.0)
+            (size / 2.0 - held).max(0.0)
         }
         _ => 0.0,
     }
@@ -170,7 +188,7 @@ impl Strategy for PreciseCacheAware {
                 inflight: fleet.candidates[i].inflight,
                 cached_tokens: held,
                 room_tokens: room_tokens(&fleet.candidates[i]),
-                cache_tokens: fleet.candidates[i].cache_tokens,
+                cache_tokens: cache_tokens(&fleet.candidates[i]),
                 placed: fleet.candidates[i].placed,
                 label: fleet.candidates[i].label,
                 homes: 0,
@@ -252,14 +270,19 @@ impl Strategy for PreciseCacheAware {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::decode::{BlockHash, BlockStored, KvEvent};
+    use crate::kv_events::decode::{BlockHash, BlockRemoved, BlockStored, KvEvent};
     use crate::routing::Candidate;
 
     const BS: u32 = 4;
 
     /// Index holding the first `blocks` blocks of `tokens` as one chain.
     fn index_with(tokens: &[u32], blocks: usize) -> ResidencyIndex {
-        let idx = ResidencyIndex::new(1_000);
+        index_with_cap(tokens, blocks, 1_000)
+    }
+
+    /// [`index_with`] in an index of at most `cap` entries.
+    fn index_with_cap(tokens: &[u32], blocks: usize, cap: usize) -> ResidencyIndex {
+        let idx = ResidencyIndex::new(cap);
         let mut parent = None;
         let mut events = Vec::new();
         for (b, chunk) in tokens.chunks_exact(BS as usize).take(blocks).enumerate() {
@@ -414,6 +437,49 @@ mod tests {
         assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
         let d = route(0.0);
         assert_eq!((d.target, d.reason), (1, Reason::ShareBound));
+    }
+
+    /// Without a configured `kv_cache_tokens`, a replica's cache size is what its events
+    /// showed once it evicted a block: the share bound then spills to it only where that
+    /// cache holds the prompt twice, as with the size configured. A configured size wins.
+    #[test]
+    fn without_a_configured_size_the_cache_size_comes_from_the_replicas_evictions() {
+        let (shared, tokens) = new_conversation();
+        // The spill target held `blocks` blocks of another prompt, then evicted one.
+        let evicted = |blocks: usize| {
+            let other: Vec<u32> = (90_000..90_000 + blocks as u32 * BS).collect();
+            let idx = index_with_cap(&other, blocks, 10_000);
+            idx.apply(&[KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![BlockHash(1000 + blocks as u64 - 1)],
+                medium: None,
+                group_idx: None,
+            })]);
+            idx
+        };
+        let route = |spill_to: ResidencyIndex, configured: f64| {
+            let idx = [index_with(&shared, shared.len() / BS as usize), spill_to];
+            let mut c = cands(&idx, &[1, 1], &[true, true]);
+            c[0].placed = 20.0;
+            c[1].cache_tokens = configured;
+            let size = cache_tokens(&c[1]);
+            let d = PreciseCacheAware::default()
+                .select(&input(&tokens), &FleetView::new(&c))
+                .unwrap();
+            (size, d.target, d.reason)
+        };
+        // 750 blocks of 4 tokens: 3,000 tokens cannot hold a second 2,040-token prompt.
+        assert_eq!(route(evicted(750), 0.0), (3_000.0, 0, Reason::CacheHit));
+        // 2,048 blocks: 8,192 tokens can.
+        assert_eq!(route(evicted(2_048), 0.0), (8_192.0, 1, Reason::ShareBound));
+        // Before any eviction the size is unknown (the replica is still filling): no
+        // pressure is assumed, as with no size configured.
+        let filling = index_with(&(90_000..93_000).collect::<Vec<u32>>(), 750);
+        assert_eq!(route(filling, 0.0), (0.0, 1, Reason::ShareBound));
+        // The operator's figure wins over the events'.
+        assert_eq!(
+            route(evicted(750), 8_192.0),
+            (8_192.0, 1, Reason::ShareBound)
+        );
     }
 
     /// A new conversation whose group's holder is past the load bound opens a home on an

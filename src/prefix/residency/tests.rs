@@ -204,6 +204,48 @@ fn clear_and_all_blocks_cleared() {
 }
 
 #[test]
+fn the_cache_size_is_the_most_blocks_resident_once_the_replica_evicts() {
+    let idx = ResidencyIndex::new(100);
+    // Five blocks stored on GPU, one chain: the replica is filling, its size is unknown.
+    let t = toks(5, 0);
+    idx.apply(&[stored(&[1, 2, 3], None, &t[..12], None)]);
+    idx.apply(&[stored(&[4, 5], Some(3), &t[12..], Some(Medium::Gpu))]);
+    assert_eq!(idx.capacity_blocks(), None);
+    // Removals that are no GPU eviction say nothing: a CPU copy's, an unknown block's.
+    idx.apply(&[
+        stored(&[4], None, &[], Some(Medium::Cpu)),
+        removed(&[4], Some(Medium::Cpu)),
+        removed(&[99], None),
+    ]);
+    assert_eq!(idx.capacity_blocks(), None);
+    // The first GPU eviction: the cache held 5 blocks when full.
+    idx.apply(&[removed(&[5], None)]);
+    assert_eq!(idx.capacity_blocks(), Some(5));
+    // Refilling to 6 (a running request's blocks completed) raises it; later removals do not
+    // lower it.
+    let u = toks(2, 500);
+    idx.apply(&[stored(&[6, 7], None, &u, None)]);
+    assert_eq!(idx.capacity_blocks(), Some(6));
+    idx.apply(&[removed(&[1, 2, 3], None)]);
+    assert_eq!(idx.capacity_blocks(), Some(6));
+    // A clear (a restart, a gap) starts a new count and keeps the old size until the new
+    // count has seen an eviction, which then replaces it, smaller or not.
+    idx.clear();
+    assert_eq!(idx.capacity_blocks(), Some(6));
+    idx.apply(&[stored(&[8, 9], None, &toks(2, 900), None)]);
+    assert_eq!(idx.capacity_blocks(), Some(6));
+    idx.apply(&[removed(&[8], None)]);
+    assert_eq!(idx.capacity_blocks(), Some(2));
+    // The index's own cap dropping entries is no eviction by the replica, and the count
+    // never passes the cap.
+    let capped = ResidencyIndex::new(2);
+    capped.apply(&[stored(&[1, 2, 3], None, &toks(3, 0), None)]);
+    assert_eq!(capped.capacity_blocks(), None);
+    capped.apply(&[removed(&[3], None)]);
+    assert_eq!(capped.capacity_blocks(), Some(2));
+}
+
+#[test]
 fn eviction_prefers_removed_then_oldest() {
     let idx = ResidencyIndex::new(3);
     let t = toks(1, 0);
