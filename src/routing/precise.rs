@@ -144,15 +144,16 @@ fn cache_tokens(c: &super::Candidate) -> f64 {
 
 /// Tokens `c`'s replica can take while its cache stays at most half full: half its
 /// cache size ([`cache_tokens`]) less the blocks its trusted stream reports resident; its
-/// whole size when it reports none and this gateway has routed nothing there (a replica
-/// holding nothing evicts no one for a new prefix, however long); 0 when either is unknown.
+/// whole size, or without a known size no limit, when it reports none and this gateway has
+/// routed nothing there (a replica holding nothing evicts no one for a new prefix, however
+/// long); otherwise 0 while the size or the residency is unknown.
 fn room_tokens(c: &super::Candidate) -> f64 {
     let size = cache_tokens(c);
     match c.kv {
-        Some(kv) if kv.trusted && size > 0.0 => {
+        Some(kv) if kv.trusted => {
             let blocks = kv.index.block_count();
             if blocks == 0 && kv.pending.is_none_or(|p| !p.noted_since_clear()) {
-                return size;
+                return if size > 0.0 { size } else { f64::INFINITY };
             }
             let held = blocks as f64 * f64::from(block_size_of(&kv));
             (size / 2.0 - held).max(0.0)
@@ -363,7 +364,7 @@ mod tests {
     #[test]
     fn untrusted_target_scores_zero_but_stays_eligible() {
         let tokens: Vec<u32> = (0..32).collect();
-        let idx = [index_with(&tokens, 8), index_with(&[], 0)];
+        let idx = [index_with(&tokens, 8), index_with(&[9; 32], 8)];
         // The untrusted holder is the less loaded: it gets the request on load alone.
         let c = cands(&idx, &[0, 2], &[false, true]);
         let d = PreciseCacheAware::default()
@@ -509,8 +510,18 @@ mod tests {
         // no one, so its whole cache counts; the one holding 3,000 other tokens has none.
         let d = route(3_072.0);
         assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
-        // Sizes unknown: no room known anywhere, so the holder keeps it.
+        // Sizes unknown: the empty replica still evicts no one, so it takes it; the one
+        // holding 3,000 other tokens has no room known.
         let d = route(0.0);
+        assert_eq!((d.target, d.reason), (1, Reason::Overloaded));
+        let mut c = cands(&idx, &[4, 0, 0], &[true; 3]);
+        assert_eq!(room_tokens(&c[1]), f64::INFINITY);
+        assert_eq!(room_tokens(&c[2]), 0.0);
+        // Without the empty replica, no room is known anywhere: the holder keeps it.
+        c[1].eligible = false;
+        let d = PreciseCacheAware::default()
+            .select(&input(&tokens), &FleetView::new(&c))
+            .unwrap();
         assert_eq!((d.target, d.reason), (0, Reason::CacheHit));
         // An untrusted stream's residency is unknown: no room either, empty or not.
         let mut c = cands(&idx, &[4, 0, 0], &[true, false, true]);
