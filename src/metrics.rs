@@ -61,6 +61,8 @@ pub struct Metrics {
     pub kv_connected: IntGaugeVec,
     /// GPU-resident blocks in a provider's residency index.
     pub kv_index_blocks: IntGaugeVec,
+    /// A provider's KV-cache size in tokens as its events showed it (0 until it evicted).
+    pub kv_cache_learned_tokens: IntGaugeVec,
     /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
     pub lmcache_polls: IntCounterVec,
     /// Client connections open now (`limits.max_connections`), refreshed at scrape time.
@@ -340,6 +342,12 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["provider"]
     )
     .expect("register rolter_kv_index_blocks"),
+    kv_cache_learned_tokens: register_int_gauge_vec!(
+        "rolter_kv_cache_learned_tokens",
+        "KV-cache size in tokens the provider's events showed (most blocks resident once it evicted one; 0 until then)",
+        &["provider"]
+    )
+    .expect("register rolter_kv_cache_learned_tokens"),
     lmcache_polls: register_int_counter_vec!(
         "rolter_lmcache_polls_total",
         "LMCache status polls by provider and result (ok, error, invalid, timeout, denied)",
@@ -529,6 +537,7 @@ pub fn forget_kv_stream(provider: &str) {
     let _ = m.kv_trusted.remove_label_values(&[provider]);
     let _ = m.kv_connected.remove_label_values(&[provider]);
     let _ = m.kv_index_blocks.remove_label_values(&[provider]);
+    let _ = m.kv_cache_learned_tokens.remove_label_values(&[provider]);
 }
 
 /// Drop the session gauge of a route a reload removed.

@@ -343,3 +343,40 @@ async fn a_replica_that_hangs_makes_its_stream_stale() {
         .replica(1)
         .set_http_fault(rolter_loadtest::replica::HttpFault::None);
 }
+
+/// Without `kv_cache_tokens`, the gateway learns a replica's cache size from its events once
+/// the replica evicts a block: the most blocks it held, which for the simulator (like vLLM,
+/// it evicts only when no free block is left) is its whole cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicas_cache_size_is_learned_from_its_first_eviction() {
+    let mut cfg = FleetConfig::default();
+    cfg.replica.cache_blocks = 64;
+    let want = (cfg.replica.cache_blocks * cfg.replica.block_size) as f64;
+    let fleet = spawn_fleet(cfg).await.unwrap();
+    let gw = Gateway::start(&routes(&fleet)).await;
+    wait_subscribed(&gw, 2).await;
+    let learned = "rolter_kv_cache_learned_tokens{provider=\"r0\"}";
+    // Filling, nothing evicted: the size is unknown (0).
+    warm(&fleet, 0, &conversation(0, 0)).await;
+    assert!(metric_eventually(&gw, "rolter_kv_index_blocks{provider=\"r0\"}", |v| v > 0.0).await);
+    assert_eq!(fleet.replica(0).stats().evictions, 0);
+    assert_eq!(gw.metric(learned).await, Some(0.0));
+    // Other prompts until the replica evicts: then its whole cache.
+    let mut topic = 1;
+    while fleet.replica(0).stats().evictions == 0 {
+        assert!(topic < 40, "64 blocks never filled");
+        warm(&fleet, 0, &conversation(topic, 0)).await;
+        topic += 1;
+    }
+    assert!(
+        metric_eventually(&gw, learned, |v| v == want).await,
+        "learned {:?}, cache {want}",
+        gw.metric(learned).await
+    );
+    // The other replica, which evicted nothing, stays unknown.
+    assert_eq!(
+        gw.metric("rolter_kv_cache_learned_tokens{provider=\"r1\"}")
+            .await,
+        Some(0.0)
+    );
+}

@@ -266,7 +266,9 @@ pub struct ProviderConfig {
     /// prompt twice; precise_cache_aware's room is half of it less the resident blocks, or
     /// all of it while the replica holds nothing). Unset, precise_cache_aware uses the size
     /// the replica's KV events show once it has evicted a block
-    /// (`ResidencyIndex::capacity_blocks`).
+    /// (`ResidencyIndex::capacity_tokens`), and a replica that holds nothing takes any
+    /// prompt whatever its size. Set it for a replica with a KV connector (LMCache, P/D),
+    /// whose failed loads evict blocks before its cache is full.
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything

@@ -65,4 +65,7 @@ fn export_kv_stream(provider: &str, kv: &KvState) {
     m.kv_index_blocks
         .with_label_values(&[provider])
         .set(kv.index.block_count() as i64);
+    m.kv_cache_learned_tokens
+        .with_label_values(&[provider])
+        .set(kv.index.capacity_tokens().unwrap_or(0) as i64);
 }

@@ -66,7 +66,8 @@ impl BackgroundService for KvEventService {
                 }
                 if let Some(old) = running.remove(&entry.provider) {
                     old.stop().await;
-                    entry.state.index.clear();
+                    // Another endpoint may be another replica: its size is learned anew.
+                    entry.state.index.restart();
                 }
                 let mut cfg =
                     SubscriberConfig::new(entry.spec.endpoint.clone(), entry.spec.topic.clone());

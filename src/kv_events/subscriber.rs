@@ -437,7 +437,7 @@ impl KvEventSubscriber {
                     self.tracker.last().map(|a| a.seq)
                 );
                 StreamState::bump(&self.state.restarts, 1);
-                self.rebuild();
+                self.rebuild_restarted();
                 if msg.seq > 0 && self.cfg.replay_endpoint.is_some() {
                     if let Ok(replies) = self.replay(0).await {
                         self.apply_replay(replies, None);
@@ -503,7 +503,7 @@ impl KvEventSubscriber {
                     }
                 );
                 StreamState::bump(&self.state.restarts, 1);
-                self.rebuild();
+                self.rebuild_restarted();
                 if let Ok(replies) = self.replay(0).await {
                     self.apply_replay(replies, None);
                 }
@@ -576,6 +576,14 @@ impl KvEventSubscriber {
     fn rebuild(&mut self) {
         StreamState::bump(&self.state.rebuilds, 1);
         self.index.clear();
+        self.tracker.reset();
+    }
+
+    /// [`Self::rebuild`] after the publisher restarted: the replica's cache starts empty
+    /// (and its size may have changed: `ResidencyIndex::restart`).
+    fn rebuild_restarted(&mut self) {
+        StreamState::bump(&self.state.rebuilds, 1);
+        self.index.restart();
         self.tracker.reset();
     }
 

@@ -38,13 +38,17 @@
 //! - The block size is learned from the first store that carries tokens; stores of
 //!   another size are skipped (`foreign_block_size_stores`).
 //!
-//! Cache size: vLLM evicts a cached block only to reuse it, once every block has been
-//! used (its never-used blocks are handed out first), so the GPU blocks resident when the
-//! first GPU removal arrives, and the most resident since, are the replica's cache size in
-//! blocks less those running requests hold unfinished. [`ResidencyIndex::capacity_blocks`]
-//! reports that high-water mark from the first known GPU removal on. A clear (a restart,
-//! a gap, `AllBlocksCleared`) starts a new count but keeps the last one until the new one
-//! has seen a removal.
+//! Cache size: vLLM evicts a cached block to reuse it only once no never-used or uncached
+//! free block is left, so the GPU blocks resident when the first GPU removal arrives, and
+//! the most resident since, are the replica's cache size less the blocks running requests
+//! hold unfinished (and less duplicate copies). [`ResidencyIndex::capacity_tokens`] reports
+//! that high-water mark, in tokens, from the first known GPU removal on. A new count starts
+//! at every clear and keeps the last size until it has seen a removal: after
+//! `AllBlocksCleared` (vLLM reset every block) or a restart ([`ResidencyIndex::restart`])
+//! it sees every block and replaces the size; after a gap ([`ResidencyIndex::clear`]) it
+//! misses blocks the replica still holds from before and only ever raises it. vLLM also
+//! evicts blocks a KV connector failed to load (`BlockPool::evict_blocks`), which would
+//! end a count early: with a connector the operator's `kv_cache_tokens` is the size.
 //!
 //! Bounds: at most `max_entries` entries (resident or remembered; a reload may change
 //! the cap, evicting down to it at once); past that the oldest remembered-removed
@@ -324,6 +328,9 @@ struct Inner {
     /// A known GPU-resident block was removed since this count started: the replica's cache
     /// has been full.
     gpu_evicted: bool,
+    /// This count started after a gap: it misses blocks the replica held before, so it may
+    /// only raise the size learned before it.
+    undercounts: bool,
 }
 
 /// Most evicted own hashes remembered for [`ResidencyIndex::with_evictions`]: the pending
@@ -337,6 +344,13 @@ impl Inner {
             block_size,
             ..Inner::default()
         };
+    }
+
+    /// The replica's cache size in tokens this count has shown, if it has seen an eviction.
+    fn counted_capacity(&self) -> Option<usize> {
+        let bs = self.block_size? as usize;
+        self.gpu_evicted
+            .then(|| self.gpu_high_water.saturating_mul(bs))
     }
 
     fn stamp(&mut self) -> u64 {
@@ -586,8 +600,8 @@ pub struct ResidencyIndex {
     block_size: AtomicU32,
     /// `Inner::gpu_entries` for lock-free reads, stored under the write lock.
     gpu_blocks: AtomicUsize,
-    /// The learned cache size in blocks (0 = not yet; see the module header).
-    capacity_blocks: AtomicUsize,
+    /// The learned cache size in tokens (0 = not yet; see the module header).
+    capacity_tokens: AtomicUsize,
 }
 
 impl Default for ResidencyIndex {
@@ -604,7 +618,7 @@ impl ResidencyIndex {
             max_entries: AtomicUsize::new(max_entries.max(1)),
             block_size: AtomicU32::new(0),
             gpu_blocks: AtomicUsize::new(0),
-            capacity_blocks: AtomicUsize::new(0),
+            capacity_tokens: AtomicUsize::new(0),
         }
     }
 
@@ -631,6 +645,7 @@ impl ResidencyIndex {
                 KvEvent::BlockStored(s) => inner.store(s, max_entries, &mut stats),
                 KvEvent::BlockRemoved(r) => inner.remove_event(r, &mut stats),
                 KvEvent::AllBlocksCleared => {
+                    self.publish_capacity(&inner);
                     inner.clear_blocks();
                     stats.clears += 1;
                 }
@@ -639,16 +654,40 @@ impl ResidencyIndex {
         self.block_size
             .store(inner.block_size.unwrap_or(0), Ordering::Relaxed);
         self.gpu_blocks.store(inner.gpu_entries, Ordering::Relaxed);
-        if inner.gpu_evicted {
-            self.capacity_blocks
-                .store(inner.gpu_high_water, Ordering::Relaxed);
-        }
+        self.publish_capacity(&inner);
         stats
     }
 
-    /// Forget everything, block size included (the replica restarted or the stream
-    /// can no longer be trusted and is rebuilt from new events).
+    /// Publish the size `inner`'s count has shown, if any (see the module header).
+    fn publish_capacity(&self, inner: &Inner) {
+        let Some(tokens) = inner.counted_capacity() else {
+            return;
+        };
+        if inner.undercounts {
+            self.capacity_tokens.fetch_max(tokens, Ordering::Relaxed);
+        } else {
+            self.capacity_tokens.store(tokens, Ordering::Relaxed);
+        }
+    }
+
+    /// Forget every block and the block size (the stream missed events and is rebuilt
+    /// from new ones). The learned cache size stays, and the next count may only raise
+    /// it: the replica still holds blocks announced before the gap.
     pub fn clear(&self) {
+        let mut inner = self.inner.write();
+        self.publish_capacity(&inner);
+        *inner = Inner {
+            undercounts: true,
+            ..Inner::default()
+        };
+        self.block_size.store(0, Ordering::Relaxed);
+        self.gpu_blocks.store(0, Ordering::Relaxed);
+    }
+
+    /// [`Self::clear`] for a replica that restarted (or another one behind the endpoint):
+    /// its cache starts empty, so the next count sees every block and replaces the size,
+    /// which may have changed.
+    pub fn restart(&self) {
         let mut inner = self.inner.write();
         *inner = Inner::default();
         self.block_size.store(0, Ordering::Relaxed);
@@ -730,10 +769,10 @@ impl ResidencyIndex {
         self.gpu_blocks.load(Ordering::Relaxed)
     }
 
-    /// The replica's GPU cache size in blocks as its events show it: the most blocks
+    /// The replica's GPU cache size in tokens as its events show it: the most blocks
     /// resident at once, once it has evicted one (see the module header). `None` until then.
-    pub fn capacity_blocks(&self) -> Option<usize> {
-        match self.capacity_blocks.load(Ordering::Relaxed) {
+    pub fn capacity_tokens(&self) -> Option<usize> {
+        match self.capacity_tokens.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n),
         }

@@ -260,9 +260,9 @@ pub struct Choice<'a> {
     /// Stable identity (`provider/model`), the same on every gateway.
     pub label: &'a str,
     /// Tokens the target can take while its cache stays at most half full, or its whole
-    /// cache when it holds nothing, as far as the caller knows (0 when unknown): a target
-    /// with that much room holds little enough that a new home there evicts nothing
-    /// another group needs.
+    /// cache when it holds nothing, as far as the caller knows (0 when unknown; infinite
+    /// for a target known to hold nothing whose size is unknown): a target with that much
+    /// room holds little enough that a new home there evicts nothing another group needs.
     pub room_tokens: f64,
     /// Tokens the target's cache holds in all, as far as the caller knows (0 when unknown).
     pub cache_tokens: f64,

@@ -23,7 +23,7 @@
 //! reports resident (all of it, while the stream reports none and this gateway has routed
 //! nothing there) is the room the load bound opens new homes in. It is the provider's
 //! `kv_cache_tokens` when set, else what the replica's own events show once it has evicted
-//! a block (the most blocks resident at once, `ResidencyIndex::capacity_blocks`): exact
+//! a block (the most blocks resident at once, `ResidencyIndex::capacity_tokens`): exact
 //! residency needs no cache size from the operator.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
@@ -129,17 +129,14 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
 }
 
 /// Tokens `c`'s replica's KV cache holds: its configured `kv_cache_tokens`, else the size its
-/// events have shown ([`ResidencyIndex::capacity_blocks`]: the most blocks resident once it
+/// events have shown ([`ResidencyIndex::capacity_tokens`]: the most blocks resident once it
 /// has evicted one); 0 while unknown.
 fn cache_tokens(c: &super::Candidate) -> f64 {
     if c.cache_tokens > 0.0 {
         return c.cache_tokens;
     }
-    c.kv.and_then(|kv| {
-        let blocks = kv.index.capacity_blocks()?;
-        Some(blocks as f64 * f64::from(kv.index.block_size()?))
-    })
-    .unwrap_or(0.0)
+    c.kv.and_then(|kv| kv.index.capacity_tokens())
+        .map_or(0.0, |tokens| tokens as f64)
 }
 
 /// Tokens `c`'s replica can take while its cache stays at most half full: half its
@@ -371,6 +368,14 @@ mod tests {
             .select(&input(&tokens), &FleetView::new(&c))
             .unwrap();
         assert_eq!((d.target, d.reason), (0, Reason::BelowThreshold));
+        // A trusted replica that holds nothing (size unknown) is room for new work within
+        // the load bound: it takes it from the untrusted one, which shows nothing held.
+        let empty = [index_with(&tokens, 8), ResidencyIndex::new(10)];
+        let c = cands(&empty, &[0, 2], &[false, true]);
+        let d = PreciseCacheAware::default()
+            .select(&input(&tokens), &FleetView::new(&c))
+            .unwrap();
+        assert_eq!((d.target, d.reason), (1, Reason::BelowThreshold));
     }
 
     #[test]

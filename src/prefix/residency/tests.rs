@@ -210,39 +210,66 @@ fn the_cache_size_is_the_most_blocks_resident_once_the_replica_evicts() {
     let t = toks(5, 0);
     idx.apply(&[stored(&[1, 2, 3], None, &t[..12], None)]);
     idx.apply(&[stored(&[4, 5], Some(3), &t[12..], Some(Medium::Gpu))]);
-    assert_eq!(idx.capacity_blocks(), None);
+    assert_eq!(idx.capacity_tokens(), None);
     // Removals that are no GPU eviction say nothing: a CPU copy's, an unknown block's.
     idx.apply(&[
         stored(&[4], None, &[], Some(Medium::Cpu)),
         removed(&[4], Some(Medium::Cpu)),
         removed(&[99], None),
     ]);
-    assert_eq!(idx.capacity_blocks(), None);
-    // The first GPU eviction: the cache held 5 blocks when full.
+    assert_eq!(idx.capacity_tokens(), None);
+    // The first GPU eviction: the cache held 5 blocks of 4 tokens when full.
+    let size = |blocks: usize| Some(blocks * BS as usize);
     idx.apply(&[removed(&[5], None)]);
-    assert_eq!(idx.capacity_blocks(), Some(5));
+    assert_eq!(idx.capacity_tokens(), size(5));
     // Refilling to 6 (a running request's blocks completed) raises it; later removals do not
     // lower it.
-    let u = toks(2, 500);
-    idx.apply(&[stored(&[6, 7], None, &u, None)]);
-    assert_eq!(idx.capacity_blocks(), Some(6));
+    idx.apply(&[stored(&[6, 7], None, &toks(2, 500), None)]);
+    assert_eq!(idx.capacity_tokens(), size(6));
     idx.apply(&[removed(&[1, 2, 3], None)]);
-    assert_eq!(idx.capacity_blocks(), Some(6));
-    // A clear (a restart, a gap) starts a new count and keeps the old size until the new
-    // count has seen an eviction, which then replaces it, smaller or not.
+    assert_eq!(idx.capacity_tokens(), size(6));
+    // After a gap (clear) the replica still holds blocks the new count never sees: the size
+    // stays, and the new count may only raise it.
     idx.clear();
-    assert_eq!(idx.capacity_blocks(), Some(6));
-    idx.apply(&[stored(&[8, 9], None, &toks(2, 900), None)]);
-    assert_eq!(idx.capacity_blocks(), Some(6));
-    idx.apply(&[removed(&[8], None)]);
-    assert_eq!(idx.capacity_blocks(), Some(2));
+    assert_eq!(idx.capacity_tokens(), size(6));
+    idx.apply(&[
+        stored(&[8, 9], None, &toks(2, 900), None),
+        removed(&[8], None),
+    ]);
+    assert_eq!(idx.capacity_tokens(), size(6));
+    idx.apply(&[stored(
+        &[10, 11, 12, 13, 14, 15],
+        Some(9),
+        &toks(6, 950),
+        None,
+    )]);
+    assert_eq!(idx.capacity_tokens(), size(7));
+    // After a restart the cache starts empty: the old size holds until the new count has
+    // seen an eviction, which then replaces it, smaller or not.
+    idx.restart();
+    assert_eq!(idx.capacity_tokens(), size(7));
+    idx.apply(&[stored(&[20, 21], None, &toks(2, 700), None)]);
+    assert_eq!(idx.capacity_tokens(), size(7));
+    idx.apply(&[removed(&[21], None)]);
+    assert_eq!(idx.capacity_tokens(), size(2));
+    // AllBlocksCleared (vLLM reset every block) also starts a count that replaces the size;
+    // an eviction in the same batch before it still counts for the count it ends.
+    idx.apply(&[
+        stored(&[30, 31, 32], None, &toks(3, 300), None),
+        removed(&[30], None),
+        KvEvent::AllBlocksCleared,
+        stored(&[40], None, &toks(1, 400), None),
+    ]);
+    assert_eq!(idx.capacity_tokens(), size(4));
+    idx.apply(&[removed(&[40], None)]);
+    assert_eq!(idx.capacity_tokens(), size(1));
     // The index's own cap dropping entries is no eviction by the replica, and the count
     // never passes the cap.
     let capped = ResidencyIndex::new(2);
     capped.apply(&[stored(&[1, 2, 3], None, &toks(3, 0), None)]);
-    assert_eq!(capped.capacity_blocks(), None);
+    assert_eq!(capped.capacity_tokens(), None);
     capped.apply(&[removed(&[3], None)]);
-    assert_eq!(capped.capacity_blocks(), Some(2));
+    assert_eq!(capped.capacity_tokens(), size(2));
 }
 
 #[test]
