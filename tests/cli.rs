@@ -90,3 +90,51 @@ fn test_flag_rejects_a_missing_file() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/rolter.toml: cannot read"));
 }
+
+/// A cache_aware route over a provider without `kv_cache_tokens` loads, with a warning that
+/// names the provider and says what to set; a provider with it gets none.
+#[test]
+fn a_cache_aware_target_without_its_cache_size_is_warned_about() {
+    let dir = TempDir::new("cli-kv-size");
+    let path = dir.path().join("routes.toml");
+    let toml = r#"
+[[providers]]
+name = "sized"
+kind = "openai_compatible"
+api_base = "http://127.0.0.1:9001"
+kv_cache_tokens = 131072
+
+[[providers]]
+name = "unsized"
+kind = "openai_compatible"
+api_base = "http://127.0.0.1:9002"
+
+[[routes]]
+model = "m"
+strategy = "cache_aware"
+[[routes.targets]]
+provider = "sized"
+model = "x"
+[[routes.targets]]
+provider = "unsized"
+model = "x"
+"#;
+    std::fs::write(&path, toml).unwrap();
+    let out = Command::new(rolter_bin())
+        .arg("-t")
+        .arg("--routes")
+        .arg(&path)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let warned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("has no kv_cache_tokens"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{text}");
+    assert!(warned[0].contains("provider \"unsized\""), "{text}");
+    assert!(warned[0].contains("GPU KV cache size"), "{text}");
+}

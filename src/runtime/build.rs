@@ -261,7 +261,7 @@ impl RouteTable {
             );
         }
         let mut routes = HashMap::new();
-        for (r, tokenizer) in config.routes.iter().zip(tokenizers) {
+        for (route_index, (r, tokenizer)) in config.routes.iter().zip(tokenizers).enumerate() {
             let ms = |route: Option<u64>, global: u64| route.unwrap_or(global);
             let timeouts = PeerTimeouts {
                 connect_ms: ms(r.timeouts.connect_timeout_ms, limits.connect_timeout_ms),
@@ -277,6 +277,15 @@ impl RouteTable {
                     .iter()
                     .find(|p| p.name == t.provider)
                     .and_then(|p| p.kv_cache_tokens);
+                if kv_cache_tokens.is_none() && sizes_tries(r.strategy) {
+                    log::warn!(
+                        "{origin}: routes[{route_index}] ({}): provider \"{}\" has no kv_cache_tokens: \
+                         its prefix trie never forgets what the replica evicts and the cache-pressure \
+                         rules are off for it; set it to what vLLM logs as \"GPU KV cache size: N tokens\"",
+                        r.model,
+                        t.provider
+                    );
+                }
                 for inst in &provider.instances {
                     let key = TargetKey {
                         provider: inst.name.clone(),
@@ -651,6 +660,11 @@ fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
     peer.options.read_timeout = Some(Duration::from_millis(t.read_ms));
     peer.options.write_timeout = Some(Duration::from_millis(t.read_ms));
     peer
+}
+
+/// Whether `strategy` keeps per-target prefix tries sized from `kv_cache_tokens`.
+fn sizes_tries(strategy: StrategyKind) -> bool {
+    matches!(strategy, StrategyKind::CacheAware | StrategyKind::Pipeline)
 }
 
 /// Build the strategy a route asks for; `sessions` is the route's (reload-surviving)
