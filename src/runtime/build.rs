@@ -280,7 +280,7 @@ impl RouteTable {
                 if kv_cache_tokens.is_none() && sizes_tries(r.strategy) {
                     log::warn!(
                         "{origin}: routes[{route_index}] ({}): provider \"{}\" has no kv_cache_tokens: \
-                         its prefix trie never forgets what the replica evicts and the cache-pressure \
+                         its prefix trie does not forget what the replica evicts and the cache-pressure \
                          rules are off for it; set it to what vLLM logs as \"GPU KV cache size: N tokens\"",
                         r.model,
                         t.provider
