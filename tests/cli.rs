@@ -6,6 +6,11 @@ use common::*;
 use std::process::Command;
 
 fn check(routes: &str) -> (bool, String) {
+    check_logging(routes, "error")
+}
+
+/// `rolter -t` on `routes` with `RUST_LOG=rust_log`: success, and stderr then stdout.
+fn check_logging(routes: &str, rust_log: &str) -> (bool, String) {
     let dir = TempDir::new("cli");
     let path = dir.path().join("routes.toml");
     std::fs::write(&path, routes).unwrap();
@@ -13,7 +18,7 @@ fn check(routes: &str) -> (bool, String) {
         .arg("-t")
         .arg("--routes")
         .arg(&path)
-        .env("RUST_LOG", "error")
+        .env("RUST_LOG", rust_log)
         .output()
         .unwrap();
     (
@@ -95,8 +100,6 @@ fn test_flag_rejects_a_missing_file() {
 /// names the provider and says what to set; a provider with it gets none.
 #[test]
 fn a_cache_aware_target_without_its_cache_size_is_warned_about() {
-    let dir = TempDir::new("cli-kv-size");
-    let path = dir.path().join("routes.toml");
     let toml = r#"
 [[providers]]
 name = "sized"
@@ -119,17 +122,8 @@ model = "x"
 provider = "unsized"
 model = "x"
 "#;
-    std::fs::write(&path, toml).unwrap();
-    let out = Command::new(rolter_bin())
-        .arg("-t")
-        .arg("--routes")
-        .arg(&path)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let (ok, text) = check_logging(toml, "warn");
+    assert!(ok, "{text}");
     let warned: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("has no kv_cache_tokens"))
