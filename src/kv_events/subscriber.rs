@@ -582,9 +582,8 @@ impl KvEventSubscriber {
     /// [`Self::rebuild`] after the publisher restarted: the replica's cache starts empty
     /// (and its size may have changed: `ResidencyIndex::restart`).
     fn rebuild_restarted(&mut self) {
-        StreamState::bump(&self.state.rebuilds, 1);
+        self.rebuild();
         self.index.restart();
-        self.tracker.reset();
     }
 
     fn apply(&mut self, msg: &KvMessage, digest: u64) {

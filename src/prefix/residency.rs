@@ -674,22 +674,24 @@ impl ResidencyIndex {
     /// from new ones). The learned cache size stays, and the next count may only raise
     /// it: the replica still holds blocks announced before the gap.
     pub fn clear(&self) {
-        let mut inner = self.inner.write();
-        self.publish_capacity(&inner);
-        *inner = Inner {
-            undercounts: true,
-            ..Inner::default()
-        };
-        self.block_size.store(0, Ordering::Relaxed);
-        self.gpu_blocks.store(0, Ordering::Relaxed);
+        self.reset(true);
     }
 
     /// [`Self::clear`] for a replica that restarted (or another one behind the endpoint):
     /// its cache starts empty, so the next count sees every block and replaces the size,
     /// which may have changed.
     pub fn restart(&self) {
+        self.reset(false);
+    }
+
+    /// Empty the index; the next count of the cache size `undercounts` or not. The size
+    /// already learned stays published (every `apply` published its count's).
+    fn reset(&self, undercounts: bool) {
         let mut inner = self.inner.write();
-        *inner = Inner::default();
+        *inner = Inner {
+            undercounts,
+            ..Inner::default()
+        };
         self.block_size.store(0, Ordering::Relaxed);
         self.gpu_blocks.store(0, Ordering::Relaxed);
     }
