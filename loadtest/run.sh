@@ -18,6 +18,7 @@
 #   PEERING=1 with GATEWAYS=N adds rows behind N peered gateways (S@Np, `[peering]`)
 #   WITHOUT_KV_CACHE_TOKENS=1 SUFFIX=-unsized WORKLOADS=multi-turn-pressure \
 #     STRATEGIES=cache_aware,precise_cache_aware loadtest/run.sh   # no kv_cache_tokens set
+#   PROVIDER_OPTION='metrics_path = ""' (with the above): nor read from the replicas' /metrics
 #   (peer gateways as rows: loadtest/peers.sh, which installs them and then runs this script)
 #
 # The fleet profile below makes the cache matter: a 2,000-token prefill (20 µs/token) costs
@@ -54,6 +55,7 @@ COMMON=(--gateway "$BIN/rolter" --strategies "$STRATEGIES" --max-duration-secs 1
   --repeats "$REPEATS" --gateways "$GATEWAYS" --slo-ttft-ms "$SLO_TTFT_MS")
 if [ "${PEERING:-0}" = 1 ]; then COMMON+=(--peering); fi
 if [ "${WITHOUT_KV_CACHE_TOKENS:-0}" = 1 ]; then COMMON+=(--without-kv-cache-tokens); fi
+if [ -n "${PROVIDER_OPTION:-}" ]; then COMMON+=(--provider-option "$PROVIDER_OPTION"); fi
 # Users pause between turns (mean 100 ms here, exponential): without it a closed-loop client
 # sends its next turn the instant a replica frees up, and least_load "finds" that replica again.
 CHAT=(--think-time-ms 100)

@@ -7,11 +7,13 @@
 //! and state flows back once: outcome → fleet state / prefix state.
 
 pub mod allocator;
+pub mod cache_size_poll;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub mod egress;
 pub mod fleet;
+pub mod http_get;
 pub mod kv_events;
 pub mod lmcache_poll;
 pub mod metrics;

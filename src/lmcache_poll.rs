@@ -27,23 +27,21 @@
 //! every [`RECONCILE_INTERVAL`]); the cells live in the [`LmcacheBoard`], so a reload
 //! keeps the last answers of endpoints that still exist.
 //!
-//! HTTP goes through pingora-core's HTTP/1 connector, the one the proxy already uses:
-//! no second HTTP stack in the binary, and plain `http://` like `api_base`. Each poll
-//! uses a fresh connection (`connection: close`), so a re-pointed name takes effect on
-//! the next poll and no pooled connection outlives an egress decision.
+//! The request itself is [`crate::http_get`] (pingora's HTTP/1 connector, plain `http://`
+//! like `api_base`, a fresh connection each poll, so a re-pointed name takes effect on
+//! the next poll and no pooled connection outlives an egress decision).
 
 use crate::egress::{self, EgressError, EgressPolicy, OutboundError, Resolver};
 pub use crate::fleet::lmcache::{BoardKey, LmcacheBoard, LmcacheEndpoint, LmcacheStatus};
+use crate::http_get::{self, Get, GetError};
 use crate::metrics::METRICS;
 pub use crate::routing::LmcacheView;
 use crate::runtime::{RouteTable, Runtime};
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pingora::connectors::http::v1::Connector;
-use pingora::http::RequestHeader;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use pingora::upstreams::peer::HttpPeer;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
@@ -207,54 +205,21 @@ impl Poller {
     }
 
     async fn fetch(&self, addr: SocketAddr, ep: &LmcacheEndpoint) -> Result<Bytes, PollResult> {
-        let failed = |e: Box<pingora::Error>| {
-            use pingora::ErrorType::*;
-            match e.etype() {
-                ConnectTimedout | ReadTimedout | WriteTimedout => PollResult::Timeout,
-                _ => PollResult::Error(format!("{addr}: {e}")),
-            }
+        let req = Get {
+            addr,
+            authority: &ep.authority,
+            path: &ep.path,
+            accept: "application/json",
+            timeout: ep.timeout,
+            max_body_bytes: MAX_STATUS_BODY_BYTES,
         };
-        let mut peer = HttpPeer::new(addr, false, String::new());
-        peer.options.connection_timeout = Some(ep.timeout);
-        peer.options.read_timeout = Some(ep.timeout);
-        peer.options.write_timeout = Some(ep.timeout);
-        let (mut http, _) = self
-            .connector
-            .get_http_session(&peer)
+        http_get::get(&self.connector, &req)
             .await
-            .map_err(failed)?;
-        http.read_timeout = Some(ep.timeout);
-        http.write_timeout = Some(ep.timeout);
-        let mut req =
-            RequestHeader::build(http::Method::GET, ep.path.as_bytes(), Some(3)).map_err(failed)?;
-        req.insert_header(http::header::HOST, &ep.authority)
-            .map_err(failed)?;
-        req.insert_header(http::header::ACCEPT, "application/json")
-            .map_err(failed)?;
-        req.insert_header(http::header::CONNECTION, "close")
-            .map_err(failed)?;
-        http.write_request_header(Box::new(req))
-            .await
-            .map_err(failed)?;
-        http.finish_body().await.map_err(failed)?;
-        http.read_response().await.map_err(failed)?;
-        let status = http.get_status().map_or(0, |s| s.as_u16());
-        if !(200..300).contains(&status) {
-            return Err(PollResult::Error(format!("HTTP {status}")));
-        }
-        let mut body = BytesMut::new();
-        while !http.is_body_done() {
-            match http.read_body_bytes().await.map_err(failed)? {
-                Some(chunk) => body.extend_from_slice(&chunk),
-                None => break,
-            }
-            if body.len() > MAX_STATUS_BODY_BYTES {
-                return Err(PollResult::Invalid(format!(
-                    "body larger than {MAX_STATUS_BODY_BYTES} bytes"
-                )));
-            }
-        }
-        Ok(body.freeze())
+            .map_err(|e| match e {
+                GetError::Timeout => PollResult::Timeout,
+                GetError::TooLarge(_) => PollResult::Invalid(e.to_string()),
+                GetError::Failed(_) | GetError::Status(_) => PollResult::Error(e.to_string()),
+            })
     }
 }
 

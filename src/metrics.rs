@@ -65,6 +65,11 @@ pub struct Metrics {
     pub kv_cache_learned_tokens: IntGaugeVec,
     /// LMCache status polls by provider and result (ok, error, invalid, timeout, denied).
     pub lmcache_polls: IntCounterVec,
+    /// A replica's KV-cache size in tokens as its Prometheus metrics report it (0 until read).
+    pub kv_cache_reported_tokens: IntGaugeVec,
+    /// Reads of a replica's cache size by provider and result (ok, error, invalid,
+    /// timeout, denied).
+    pub cache_size_reads: IntCounterVec,
     /// Client connections open now (`limits.max_connections`), refreshed at scrape time.
     pub client_connections: IntGauge,
     /// Client connections closed at accept because `limits.max_connections` were open.
@@ -354,6 +359,18 @@ pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         &["provider", "result"]
     )
     .expect("register rolter_lmcache_polls_total"),
+    kv_cache_reported_tokens: register_int_gauge_vec!(
+        "rolter_kv_cache_reported_tokens",
+        "KV-cache size in tokens the provider's replica reports in its metrics (vllm:cache_config_info; 0 until read)",
+        &["provider"]
+    )
+    .expect("register rolter_kv_cache_reported_tokens"),
+    cache_size_reads: register_int_counter_vec!(
+        "rolter_cache_size_reads_total",
+        "Reads of a replica's KV-cache size from its metrics, by provider and result (ok, error, invalid, timeout, denied)",
+        &["provider", "result"]
+    )
+    .expect("register rolter_cache_size_reads_total"),
     client_connections: register_int_gauge!(
         "rolter_client_connections",
         "Client connections open now, counted against limits.max_connections"
@@ -512,6 +529,8 @@ pub fn forget_provider(provider: &str) {
     let _ = m.provider_healthy.remove_label_values(&[provider]);
     remove_where(&m.health_checks, "provider", provider);
     remove_where(&m.lmcache_polls, "provider", provider);
+    remove_where(&m.cache_size_reads, "provider", provider);
+    let _ = m.kv_cache_reported_tokens.remove_label_values(&[provider]);
 }
 
 /// Drop the discovery series of a provider no longer discovered by DNS.
@@ -538,6 +557,13 @@ pub fn forget_kv_stream(provider: &str) {
     let _ = m.kv_connected.remove_label_values(&[provider]);
     let _ = m.kv_index_blocks.remove_label_values(&[provider]);
     let _ = m.kv_cache_learned_tokens.remove_label_values(&[provider]);
+}
+
+/// Drop the cache size a provider's replica reported, once nothing reads it any more.
+pub fn forget_reported_cache_size(provider: &str) {
+    let _ = METRICS
+        .kv_cache_reported_tokens
+        .remove_label_values(&[provider]);
 }
 
 /// Drop the session gauge of a route a reload removed.

@@ -122,6 +122,10 @@ pub fn serve(mut cli: Cli, ctx: LoadContext, args: RunArgs) -> Result<(), String
         LmcachePollService(runtime.clone()),
     ));
     server.add_service(background_service(
+        "cache-size-poll",
+        crate::cache_size_poll::CacheSizePollService(runtime.clone()),
+    ));
+    server.add_service(background_service(
         "kv-events",
         crate::kv_events::service::KvEventService(runtime.clone()),
     ));

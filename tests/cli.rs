@@ -96,8 +96,9 @@ fn test_flag_rejects_a_missing_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/rolter.toml: cannot read"));
 }
 
-/// A cache_aware route over a provider without `kv_cache_tokens` loads, with a warning that
-/// names the provider and says what to set; a provider with it gets none.
+/// A cache_aware route over a provider with neither `kv_cache_tokens` nor a `metrics_path`
+/// to read it from loads, with a warning that names the provider and says what to set; a
+/// provider with either gets none.
 #[test]
 fn a_cache_aware_target_without_its_cache_size_is_warned_about() {
     let toml = r#"
@@ -111,6 +112,12 @@ kv_cache_tokens = 131072
 name = "unsized"
 kind = "openai_compatible"
 api_base = "http://127.0.0.1:9002"
+metrics_path = ""
+
+[[providers]]
+name = "read"
+kind = "openai_compatible"
+api_base = "http://127.0.0.1:9003"
 
 [[routes]]
 model = "m"
@@ -120,6 +127,9 @@ provider = "sized"
 model = "x"
 [[routes.targets]]
 provider = "unsized"
+model = "x"
+[[routes.targets]]
+provider = "read"
 model = "x"
 "#;
     let (ok, text) = check_logging(toml, "warn");
@@ -131,4 +141,29 @@ model = "x"
     assert_eq!(warned.len(), 1, "{text}");
     assert!(warned[0].contains("provider \"unsized\""), "{text}");
     assert!(warned[0].contains("GPU KV cache size"), "{text}");
+}
+
+/// `metrics_path` is a request path or "" (never read).
+#[test]
+fn a_metrics_path_that_is_not_a_path_is_refused() {
+    let toml = r#"
+[[providers]]
+name = "p"
+kind = "openai_compatible"
+api_base = "http://127.0.0.1:9001"
+metrics_path = "metrics"
+
+[[routes]]
+model = "m"
+strategy = "cache_aware"
+[[routes.targets]]
+provider = "p"
+model = "x"
+"#;
+    let (ok, text) = check_logging(toml, "warn");
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("providers[0].metrics_path: must start with '/'"),
+        "{text}"
+    );
 }

@@ -581,6 +581,17 @@ impl Replica {
             "KV-event batches given a sequence number.",
             s.kv_batches as f64,
         );
+        // vLLM's CacheConfig as an info metric: one sample, labels = the settings (a
+        // subset of vLLM's), value 1. Omitted for an unbounded cache (vLLM always has a size).
+        if s.cache_capacity > 0 {
+            out.push_str(&format!(
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+                 # TYPE vllm:cache_config_info gauge\n\
+                 vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
+                 engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\"}} 1.0\n",
+                self.cfg.block_size, s.cache_capacity
+            ));
+        }
         out
     }
 

@@ -4,7 +4,9 @@
 //! as vLLM does it, in memory: `POST /v1/responses` stores a response (JSON, or an SSE
 //! stream whose first event is `response.created`) and a later request naming it
 //! (`previous_response_id`, `GET`/`DELETE /v1/responses/{id}`, `.../cancel`) finds it only
-//! on the stub that stored it (else 404). Any other path is echoed back as JSON.
+//! on the stub that stored it (else 404). `GET /metrics` answers a vLLM-style Prometheus body
+//! without a cache size (not recorded: a gateway reads it in the background). Any other
+//! path is echoed back as JSON.
 //!
 //! Owns: nothing shared; every stub is its own server on a loopback port. Must not: model
 //! caches or costs (that is the simulator's job).
@@ -124,6 +126,7 @@ impl Stub {
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
             .route("/health", get(health))
+            .route("/metrics", get(metrics))
             .route("/v1/models", get(models))
             .route("/v1/responses", post(create_response))
             .route(
@@ -224,6 +227,16 @@ impl Drop for Stub {
 async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
     let status = shared.behaviour.lock().health_status;
     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+/// `GET /metrics`: a replica's load gauges, no `vllm:cache_config_info` (neither counted nor
+/// recorded).
+async fn metrics() -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n",
+    )
+        .into_response()
 }
 
 /// `GET /v1/models` (counted in [`Stub::served`], not recorded).

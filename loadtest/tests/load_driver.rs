@@ -222,14 +222,31 @@ async fn routing_file_and_direct_compare() {
         "sim",
         "sim-model",
         &["trie_max_nodes = 5000".to_string()],
+        &[],
         true,
     );
     let v: toml::Value = toml::from_str(&text).unwrap();
     assert_eq!(v["routes"][0]["trie_max_nodes"].as_integer(), Some(5000));
     assert!(v["routes"][0]["targets"][0].get("trie_max_nodes").is_none());
+    // --provider-option lines land in every provider's table, not in its kv_events.
+    let text = routes_toml_with(
+        &fleet,
+        "precise_cache_aware",
+        "sim",
+        "sim-model",
+        &[],
+        &["metrics_path = \"\"".to_string()],
+        true,
+    );
+    let v: toml::Value = toml::from_str(&text).unwrap();
+    for p in v["providers"].as_array().unwrap() {
+        assert_eq!(p["metrics_path"].as_str(), Some(""));
+        assert!(p["kv_events"].get("metrics_path").is_none());
+    }
+    assert!(v["routes"][0].get("metrics_path").is_none());
     // --without-kv-cache-tokens: no provider gets a cache size; the rest is unchanged.
     for strategy in ["cache_aware", "precise_cache_aware"] {
-        let text = routes_toml_with(&fleet, strategy, "sim", "sim-model", &[], false);
+        let text = routes_toml_with(&fleet, strategy, "sim", "sim-model", &[], &[], false);
         let v: toml::Value = toml::from_str(&text).unwrap();
         let providers = v["providers"].as_array().unwrap();
         assert!(providers.iter().all(|p| p.get("kv_cache_tokens").is_none()));

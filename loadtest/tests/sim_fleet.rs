@@ -212,6 +212,15 @@ async fn chat_json_and_stream_metrics_and_cache_hits() {
         "vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"sim-model\"}} {}.0",
         stats.prefix_cache_hits
     )));
+    // The cache's size, as vLLM publishes it (what a gateway reads when not told).
+    assert!(
+        metrics.contains(&format!(
+            "block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",\
+             gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\"}} 1.0",
+            stats.cache_capacity
+        )),
+        "{metrics}"
+    );
 
     let completion: Json = post_json(
         &c,

@@ -268,9 +268,18 @@ pub struct ProviderConfig {
     /// the replica's KV events show once it has evicted a block
     /// (`ResidencyIndex::capacity_tokens`), and a replica that holds nothing takes any
     /// prompt whatever its size. Set it for a replica with a KV connector (LMCache, P/D),
-    /// whose failed loads evict blocks before its cache is full.
+    /// whose failed loads evict blocks before its cache is full. Unset, rolter reads it
+    /// from the replica's [`metrics_path`](Self::metrics_path) instead.
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
+    /// Where each replica of this provider serves Prometheus metrics (vLLM: `/metrics`,
+    /// at the root whatever `api_base`'s path). When `kv_cache_tokens` is unset and a
+    /// cache_aware, pipeline or precise_cache_aware route targets the provider, rolter
+    /// reads the size there (`vllm:cache_config_info`: `kv_cache_size_tokens`, else
+    /// `num_gpu_blocks` × `block_size`; `cache_size_poll`) and uses it as
+    /// `kv_cache_tokens` until a replica reports another. "" = never read.
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
     /// Key sent to this provider as `Authorization: Bearer <key>`, in place of anything
     /// the client sent.
     #[serde(default)]
@@ -284,6 +293,10 @@ pub struct ProviderConfig {
     /// Seconds between two resolutions under `discovery = "dns"`.
     #[serde(default = "default_dns_refresh_s")]
     pub refresh_s: u64,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".to_string()
 }
 
 fn default_dns_refresh_s() -> u64 {

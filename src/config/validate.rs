@@ -33,6 +33,19 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
                 p.name
             ));
         }
+        if !p.metrics_path.is_empty() {
+            if !p.metrics_path.starts_with('/') {
+                out.push(format!(
+                    "providers[{i}].metrics_path: must start with '/' (\"\" = never read)"
+                ));
+            } else if let Err(e) =
+                pingora::http::RequestHeader::build("GET", p.metrics_path.as_bytes(), None)
+            {
+                out.push(format!(
+                    "providers[{i}].metrics_path: not a valid request path: {e}"
+                ));
+            }
+        }
         let h = &p.health;
         if !h.path.starts_with('/') {
             out.push(format!("providers[{i}].health.path: must start with '/'"));

@@ -8,6 +8,7 @@
 //! decisions (that is `routing`). The only I/O is the health prober in [`probe`].
 
 pub mod breaker;
+pub mod cache_size;
 pub mod export;
 pub mod idle;
 pub mod lmcache;
@@ -154,6 +155,9 @@ pub struct TargetState {
     pub trie: PrefixTrie,
     /// New work placed here recently (the placement rule's `share_bound`).
     pub placed: recent::RecentCount,
+    /// The replica's KV-cache size in tokens as its own metrics report it (0 = not read):
+    /// written by `cache_size_poll`, kept across reloads like the trie it sizes.
+    reported_cache_tokens: AtomicU64,
 }
 
 impl TargetState {
@@ -173,6 +177,7 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
+            reported_cache_tokens: AtomicU64::new(0),
         }
     }
 
@@ -195,6 +200,16 @@ impl TargetState {
     /// Whether a reload or DNS discovery removed this target (its series are dropped).
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Acquire)
+    }
+
+    /// The replica's KV-cache size in tokens as its metrics last reported it (0 = unread).
+    pub fn reported_cache_tokens(&self) -> u64 {
+        self.reported_cache_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Record the KV-cache size the replica's metrics report.
+    pub fn set_reported_cache_tokens(&self, tokens: u64) {
+        self.reported_cache_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// Requests in flight right now.

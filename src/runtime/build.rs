@@ -12,12 +12,13 @@ use crate::config::Secret;
 use crate::config::{self, Config, Discovery, KvEventsConfig, LmcacheConfig, ProviderConfig};
 use crate::config::{RouteConfig, StrategyKind};
 use crate::egress::{self, EgressPolicy, OutboundError, Resolver, SystemResolver};
+use crate::fleet::cache_size::CacheSizeEndpoint;
 use crate::fleet::lmcache::{LmcacheBoard, LmcacheEndpoint};
 use crate::fleet::probe::ProviderEntry;
 use crate::fleet::{Registry, TargetKey};
 use crate::routing::{self, SessionTable, Strategy};
 use pingora::upstreams::peer::HttpPeer;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -261,6 +262,7 @@ impl RouteTable {
             );
         }
         let mut routes = HashMap::new();
+        let mut cache_size: BTreeMap<String, CacheSizeEndpoint> = BTreeMap::new();
         for (route_index, (r, tokenizer)) in config.routes.iter().zip(tokenizers).enumerate() {
             let ms = |route: Option<u64>, global: u64| route.unwrap_or(global);
             let timeouts = PeerTimeouts {
@@ -272,16 +274,22 @@ impl RouteTable {
             for t in &r.targets {
                 let provider = &providers[t.provider.as_str()];
                 // A target shared by routes with different caps takes the last one.
-                let kv_cache_tokens = config
+                let provider_config = config
                     .providers
                     .iter()
                     .find(|p| p.name == t.provider)
-                    .and_then(|p| p.kv_cache_tokens);
-                if kv_cache_tokens.is_none() && sizes_tries(r.strategy) {
+                    .expect("validated target provider");
+                let kv_cache_tokens = provider_config.kv_cache_tokens;
+                let metrics_path = provider_config.metrics_path.as_str();
+                let reads_size = kv_cache_tokens.is_none()
+                    && !metrics_path.is_empty()
+                    && uses_cache_size(r.strategy);
+                if kv_cache_tokens.is_none() && metrics_path.is_empty() && sizes_tries(r.strategy) {
                     log::warn!(
-                        "{origin}: routes[{route_index}] ({}): provider \"{}\" has no kv_cache_tokens: \
-                         its prefix trie does not forget what the replica evicts and the cache-pressure \
-                         rules are off for it; set it to what vLLM logs as \"GPU KV cache size: N tokens\"",
+                        "{origin}: routes[{route_index}] ({}): provider \"{}\" has no kv_cache_tokens \
+                         and metrics_path = \"\": its prefix trie does not forget what the replica evicts \
+                         and the cache-pressure rules are off for it; set it to what vLLM logs as \
+                         \"GPU KV cache size: N tokens\"",
                         r.model,
                         t.provider
                     );
@@ -293,13 +301,28 @@ impl RouteTable {
                     };
                     let state = registry.get_or_create(&key);
                     state.trie.set_max_nodes(r.trie_max_nodes);
+                    let reported = Some(state.reported_cache_tokens()).filter(|&n| n > 0);
                     state
                         .trie
                         .set_max_bytes(routing::cache_aware::trie_bytes_for_kv_cache(
-                            kv_cache_tokens,
+                            kv_cache_tokens.or(reported.filter(|_| reads_size)),
                             r.prompt_bytes_per_token,
                         ));
                     let up = &provider.upstream;
+                    if reads_size {
+                        let ep = cache_size.entry(inst.name.clone()).or_insert_with(|| {
+                            CacheSizeEndpoint {
+                                provider: inst.name.clone(),
+                                host_name: up.name.clone(),
+                                addr: inst.addr,
+                                authority: up.host.clone(),
+                                path: metrics_path.to_string(),
+                                targets: Vec::new(),
+                            }
+                        });
+                        ep.targets.retain(|(s, _)| !Arc::ptr_eq(s, &state));
+                        ep.targets.push((state.clone(), r.prompt_bytes_per_token));
+                    }
                     targets.push(RouteTarget {
                         state,
                         peer: make_peer(inst.addr, &timeouts),
@@ -338,6 +361,18 @@ impl RouteTable {
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }
+        // A size read for a target nothing reads it for any more is not kept: it would
+        // outlive the setting that stopped the reads.
+        for t in routes.values().flat_map(|r: &Arc<Route>| r.targets.iter()) {
+            let read = cache_size
+                .values()
+                .any(|ep| ep.targets.iter().any(|(s, _)| Arc::ptr_eq(s, &t.state)));
+            if !read && t.state.reported_cache_tokens() > 0 {
+                t.state.set_reported_cache_tokens(0);
+                crate::metrics::forget_reported_cache_size(&t.state.key().provider);
+            }
+        }
+        let cache_size = cache_size.into_values().map(Arc::new).collect();
         let mut lmcache: Vec<Arc<LmcacheEndpoint>> = lmcache.into_values().collect();
         lmcache.sort_by(|a, b| a.provider.cmp(&b.provider));
         Ok(RouteTable {
@@ -350,6 +385,7 @@ impl RouteTable {
             auth,
             egress,
             lmcache,
+            cache_size,
             kv,
             discovered,
             peering: super::table::PeeringSettings {
@@ -665,6 +701,12 @@ fn make_peer(addr: SocketAddr, t: &PeerTimeouts) -> HttpPeer {
 /// Whether `strategy` keeps per-target prefix tries sized from `kv_cache_tokens`.
 fn sizes_tries(strategy: StrategyKind) -> bool {
     matches!(strategy, StrategyKind::CacheAware | StrategyKind::Pipeline)
+}
+
+/// Whether `strategy` uses a replica's cache size (its tries, or precise_cache_aware's
+/// room), so a provider without `kv_cache_tokens` has it read from `metrics_path`.
+fn uses_cache_size(strategy: StrategyKind) -> bool {
+    sizes_tries(strategy) || strategy == StrategyKind::PreciseCacheAware
 }
 
 /// Build the strategy a route asks for; `sessions` is the route's (reload-surviving)

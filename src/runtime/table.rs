@@ -43,8 +43,20 @@ pub struct RouteTarget {
     /// The provider's KV-event state, if it has `[providers.kv_events]`.
     pub kv: Option<Arc<KvState>>,
     /// The replica's KV-cache capacity in tokens (the provider's `kv_cache_tokens`; 0 when
-    /// unset).
+    /// unset, and then what the replica's metrics report, [`TargetState::reported_cache_tokens`]).
     pub kv_cache_tokens: f64,
+}
+
+impl RouteTarget {
+    /// The replica's KV-cache size in tokens: configured, else as its metrics report it,
+    /// else 0 (unknown).
+    pub fn cache_tokens(&self) -> f64 {
+        if self.kv_cache_tokens > 0.0 {
+            self.kv_cache_tokens
+        } else {
+            self.state.reported_cache_tokens() as f64
+        }
+    }
 }
 
 /// One `[providers.kv_events]` stream, resolved and egress-checked at load.
@@ -114,7 +126,7 @@ impl Route {
                 }),
                 lmcache: t.lmcache.as_ref().and_then(|s| s.view(now)),
                 placed: t.state.placed.estimate(now_ms),
-                cache_tokens: t.kv_cache_tokens,
+                cache_tokens: t.cache_tokens(),
             })
             .collect()
     }
@@ -137,6 +149,8 @@ pub struct RouteTable {
     pub auth: Option<Arc<super::auth::ClientAuth>>,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) lmcache: Vec<Arc<LmcacheEndpoint>>,
+    /// Replicas whose cache size is read from their metrics (`cache_size_poll`).
+    pub(super) cache_size: Vec<Arc<crate::fleet::cache_size::CacheSizeEndpoint>>,
     pub(super) kv: Vec<KvEntry>,
     /// The `discovery = "dns"` providers and the addresses this table was built with.
     pub(super) discovered: Vec<super::discovery::DiscoveredProvider>,
@@ -220,6 +234,11 @@ impl RouteTable {
     /// Every `[providers.lmcache]` endpoint of this generation, by provider name.
     pub fn lmcache_endpoints(&self) -> &[Arc<LmcacheEndpoint>] {
         &self.lmcache
+    }
+
+    /// Every replica whose cache size is read from its metrics, by instance name.
+    pub fn cache_size_endpoints(&self) -> &[Arc<crate::fleet::cache_size::CacheSizeEndpoint>] {
+        &self.cache_size
     }
 
     /// Whether any route has a target that may be chosen now (readiness).

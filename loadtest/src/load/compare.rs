@@ -211,6 +211,10 @@ pub struct CompareArgs {
     /// --route-option 'cache_threshold = 0.6'.
     #[arg(long = "route-option")]
     pub route_options: Vec<String>,
+    /// Extra `key = value` line for each provider's table (repeatable), e.g.
+    /// --provider-option 'metrics_path = ""'.
+    #[arg(long = "provider-option")]
+    pub provider_options: Vec<String>,
     /// Leave the providers' `kv_cache_tokens` out of the routing file (by default each gets
     /// its replica's cache size, as an operator copies it from vLLM's log).
     #[arg(long)]
@@ -309,6 +313,7 @@ async fn start_rolter(
         &driver.request_model,
         &compare.upstream_model,
         &compare.route_options,
+        &compare.provider_options,
         !compare.without_kv_cache_tokens,
     );
     let peer_ports = if peering {

@@ -21,18 +21,20 @@ pub fn routes_toml(
     model: &str,
     upstream_model: &str,
 ) -> String {
-    routes_toml_with(fleet, strategy, model, upstream_model, &[], true)
+    routes_toml_with(fleet, strategy, model, upstream_model, &[], &[], true)
 }
 
-/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`),
-/// and the providers' `kv_cache_tokens` only when `kv_cache_tokens` (`compare
-/// --without-kv-cache-tokens` leaves it out, as an operator who never copied it would).
+/// [`routes_toml`] with extra `key = value` lines in the route's table (`--route-option`)
+/// and in each provider's (`--provider-option`), and the providers' `kv_cache_tokens` only
+/// when `kv_cache_tokens` (`compare --without-kv-cache-tokens` leaves it out, as an
+/// operator who never copied it would).
 pub fn routes_toml_with(
     fleet: &FleetHandle,
     strategy: &str,
     model: &str,
     upstream_model: &str,
     route_options: &[String],
+    provider_options: &[String],
     kv_cache_tokens: bool,
 ) -> String {
     let mut s = String::from("# Written by rolter-load compare.\n");
@@ -47,6 +49,9 @@ pub fn routes_toml_with(
         {
             // What an operator copies from vLLM's "GPU KV cache size: N tokens" log line.
             let _ = writeln!(s, "kv_cache_tokens = {}", r.kv_cache_tokens());
+        }
+        for line in provider_options {
+            let _ = writeln!(s, "{line}");
         }
         if strategy == "precise_cache_aware" {
             if let Some(ep) = r.kv_events_endpoint() {
