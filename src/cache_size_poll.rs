@@ -29,12 +29,13 @@ use crate::egress::{EgressError, EgressPolicy};
 pub use crate::fleet::cache_size::CacheSizeEndpoint;
 use crate::http_get::{self, Get, GetError};
 use crate::metrics::METRICS;
-use crate::runtime::{RouteTable, Runtime};
+use crate::runtime::generations::run_per_table;
+use crate::runtime::Runtime;
 use async_trait::async_trait;
 use pingora::connectors::http::v1::Connector;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The info metric vLLM exposes its `CacheConfig` as.
@@ -47,8 +48,6 @@ pub const RETRY_FIRST: Duration = Duration::from_secs(1);
 pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest metrics body read (vLLM's is a few hundred KiB with all its histograms).
 pub const MAX_METRICS_BODY_BYTES: usize = 16 << 20;
-/// How often the service checks whether a reload swapped the route table.
-const RECONCILE_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The KV-cache size in tokens a metrics body reports (see the module docs), or why none.
 pub fn parse_cache_tokens(text: &str) -> Result<u64, String> {
@@ -288,31 +287,20 @@ impl Reader {
 }
 
 /// The background service running every replica's read loop; restarts them when a
-/// reload swaps the route table (like `lmcache_poll`'s service).
+/// reload swaps the route table (`runtime::generations`).
 pub struct CacheSizePollService(pub Arc<Runtime>);
 
 #[async_trait]
 impl BackgroundService for CacheSizePollService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let reader = Arc::new(Reader::default());
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut current: Weak<RouteTable> = Weak::new();
-        loop {
-            let table = self.0.table();
-            if !std::ptr::eq(current.as_ptr(), Arc::as_ptr(&table)) {
-                tasks.shutdown().await;
-                for ep in table.cache_size_endpoints() {
-                    let (reader, ep, policy) = (reader.clone(), ep.clone(), table.egress().clone());
-                    tasks.spawn(async move { reader.run(&ep, &policy).await });
-                }
-                current = Arc::downgrade(&table);
+        run_per_table(&self.0, &mut shutdown, |table, tasks| {
+            for ep in table.cache_size_endpoints() {
+                let (reader, ep, policy) = (reader.clone(), ep.clone(), table.egress().clone());
+                tasks.spawn(async move { reader.run(&ep, &policy).await });
             }
-            drop(table);
-            tokio::select! {
-                _ = tokio::time::sleep(RECONCILE_INTERVAL) => {}
-                _ = shutdown.changed() => return,
-            }
-        }
+        })
+        .await;
     }
 }
 

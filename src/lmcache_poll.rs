@@ -24,7 +24,7 @@
 //! Pingora fixes its background services at startup, but SIGHUP may add, remove or
 //! change `[providers.lmcache]` sections. So one service runs one task per endpoint of
 //! the *current* route table and restarts the set when the table is swapped (checked
-//! every [`RECONCILE_INTERVAL`]); the cells live in the [`LmcacheBoard`], so a reload
+//! every 250 ms, `runtime::generations`); the cells live in the [`LmcacheBoard`], so a reload
 //! keeps the last answers of endpoints that still exist.
 //!
 //! The request itself is [`crate::http_get`] (pingora's HTTP/1 connector, plain `http://`
@@ -36,7 +36,8 @@ pub use crate::fleet::lmcache::{BoardKey, LmcacheBoard, LmcacheEndpoint, Lmcache
 use crate::http_get::{self, Get, GetError};
 use crate::metrics::METRICS;
 pub use crate::routing::LmcacheView;
-use crate::runtime::{RouteTable, Runtime};
+use crate::runtime::generations::run_per_table;
+use crate::runtime::Runtime;
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::connectors::http::v1::Connector;
@@ -44,13 +45,11 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use serde::Deserialize;
 use std::net::SocketAddr;
-use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 /// Largest status body accepted; the real one is ~50 bytes, anything this big is wrong.
 pub const MAX_STATUS_BODY_BYTES: usize = 64 * 1024;
-/// How often the service checks whether a reload swapped the route table.
-pub const RECONCILE_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The wire shape of a status answer (unknown fields are ignored).
 #[derive(Debug, Deserialize)]
@@ -230,25 +229,13 @@ pub struct LmcachePollService(pub Arc<Runtime>);
 impl BackgroundService for LmcachePollService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let poller = Arc::new(Poller::new(self.0.resolver()));
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut current: Weak<RouteTable> = Weak::new();
-        loop {
-            let table = self.0.table();
-            if !std::ptr::eq(current.as_ptr(), Arc::as_ptr(&table)) {
-                // Stop the old generation's polls (abort, and wait until they are gone).
-                tasks.shutdown().await;
-                for ep in table.lmcache_endpoints() {
-                    let (poller, ep, policy) = (poller.clone(), ep.clone(), table.egress().clone());
-                    tasks.spawn(async move { poller.run(&ep, &policy).await });
-                }
-                current = Arc::downgrade(&table);
+        run_per_table(&self.0, &mut shutdown, |table, tasks| {
+            for ep in table.lmcache_endpoints() {
+                let (poller, ep, policy) = (poller.clone(), ep.clone(), table.egress().clone());
+                tasks.spawn(async move { poller.run(&ep, &policy).await });
             }
-            drop(table);
-            tokio::select! {
-                _ = tokio::time::sleep(RECONCILE_INTERVAL) => {}
-                _ = shutdown.changed() => return,
-            }
-        }
+        })
+        .await;
     }
 }
 

@@ -29,6 +29,23 @@ fn routes(fleet: &FleetHandle) -> String {
     s
 }
 
+/// The cache of each of [`small_fleet`]'s replicas: 64 blocks of 16 tokens.
+const SMALL_CACHE_TOKENS: f64 = 1024.0;
+
+/// Two simulated replicas (no KV events) with [`SMALL_CACHE_TOKENS`] of cache each.
+async fn small_fleet() -> FleetHandle {
+    let mut cfg = FleetConfig {
+        kv_events: None,
+        ..FleetConfig::default()
+    };
+    cfg.replica.cache_blocks = 64;
+    assert_eq!(
+        (cfg.replica.cache_blocks * cfg.replica.block_size) as f64,
+        SMALL_CACHE_TOKENS
+    );
+    spawn_fleet(cfg).await.unwrap()
+}
+
 fn prompt(alias: &str, topic: usize) -> String {
     let system = format!(
         "Topic {topic}. {}",
@@ -47,13 +64,8 @@ fn prompt(alias: &str, topic: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replicas_cache_size_is_read_from_its_metrics_and_caps_its_trie() {
-    let mut cfg = FleetConfig {
-        kv_events: None,
-        ..FleetConfig::default()
-    };
-    cfg.replica.cache_blocks = 64;
-    let want = (cfg.replica.cache_blocks * cfg.replica.block_size) as f64;
-    let fleet = spawn_fleet(cfg).await.unwrap();
+    let fleet = small_fleet().await;
+    let want = SMALL_CACHE_TOKENS;
     let gw = Gateway::start(&routes(&fleet)).await;
 
     let reported = "rolter_kv_cache_reported_tokens{provider=\"r0\"}";
@@ -131,18 +143,13 @@ async fn a_replica_without_the_size_is_counted_retried_and_still_served() {
 /// the configured one rules, and nothing stale is left behind in the metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configured_size_replaces_the_read_one_on_reload() {
-    let mut cfg = FleetConfig {
-        kv_events: None,
-        ..FleetConfig::default()
-    };
-    cfg.replica.cache_blocks = 64;
-    let fleet = spawn_fleet(cfg).await.unwrap();
+    let fleet = small_fleet().await;
     let text = routes(&fleet);
     let gw = Gateway::start(&text).await;
     let reported = "rolter_kv_cache_reported_tokens{provider=\"r0\"}";
     assert!(
         eventually(Duration::from_secs(10), || async {
-            gw.metric(reported).await == Some(1024.0)
+            gw.metric(reported).await == Some(SMALL_CACHE_TOKENS)
         })
         .await
     );

@@ -142,28 +142,3 @@ model = "x"
     assert!(warned[0].contains("provider \"unsized\""), "{text}");
     assert!(warned[0].contains("GPU KV cache size"), "{text}");
 }
-
-/// `metrics_path` is a request path or "" (never read).
-#[test]
-fn a_metrics_path_that_is_not_a_path_is_refused() {
-    let toml = r#"
-[[providers]]
-name = "p"
-kind = "openai_compatible"
-api_base = "http://127.0.0.1:9001"
-metrics_path = "metrics"
-
-[[routes]]
-model = "m"
-strategy = "cache_aware"
-[[routes.targets]]
-provider = "p"
-model = "x"
-"#;
-    let (ok, text) = check_logging(toml, "warn");
-    assert!(!ok, "{text}");
-    assert!(
-        text.contains("providers[0].metrics_path: must start with '/'"),
-        "{text}"
-    );
-}

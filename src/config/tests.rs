@@ -38,6 +38,42 @@ fn good_file_parses_with_defaults() {
 }
 
 #[test]
+fn metrics_path_is_a_request_path_or_empty() {
+    let c = parse(GOOD, "good.toml").expect("valid");
+    assert_eq!(c.providers[0].metrics_path, "/metrics");
+    let with = |path: &str| {
+        GOOD.replacen(
+            "api_base = \"http://127.0.0.1:8001\"",
+            &format!("api_base = \"http://127.0.0.1:8001\"\nmetrics_path = {path:?}"),
+            1,
+        )
+    };
+    let off = parse(&with(""), "off.toml").expect("\"\" turns the read off");
+    assert_eq!(off.providers[0].metrics_path, "");
+    assert_eq!(
+        parse(&with("/v2/metrics?x=1"), "q.toml")
+            .expect("a path")
+            .providers[0]
+            .metrics_path,
+        "/v2/metrics?x=1"
+    );
+    for bad in ["metrics", "http://x/metrics"] {
+        let err = parse(&with(bad), "bad.toml").unwrap_err().to_string();
+        assert!(
+            err.contains("providers[0].metrics_path: must start with '/'"),
+            "{bad}: {err}"
+        );
+    }
+    let err = parse(&with("/me trics"), "bad.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("providers[0].metrics_path: not a valid request path"),
+        "{err}"
+    );
+}
+
+#[test]
 fn every_problem_is_reported_on_its_own_line() {
     let bad = GOOD
         .replace(

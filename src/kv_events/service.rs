@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// How often the service compares its subscribers with the live table.
-const RECONCILE_INTERVAL: Duration = Duration::from_millis(250);
+use crate::runtime::generations::RECONCILE_INTERVAL;
 
 /// Background service running the KV-event subscribers.
 pub struct KvEventService(pub Arc<Runtime>);

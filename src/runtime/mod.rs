@@ -10,6 +10,7 @@
 pub mod auth;
 pub mod build;
 pub mod discovery;
+pub mod generations;
 pub mod reload;
 pub mod table;
 #[cfg(test)]
