@@ -264,12 +264,12 @@ pub struct ProviderConfig {
     /// replica has likely evicted; and the placement rule knows the cache's size
     /// (`Candidate::cache_tokens`: the share bound spills only to a cache holding the
     /// prompt twice; precise_cache_aware's room is half of it less the resident blocks, or
-    /// all of it while the replica holds nothing). Unset, precise_cache_aware uses the size
-    /// the replica's KV events show once it has evicted a block
-    /// (`ResidencyIndex::capacity_tokens`), and a replica that holds nothing takes any
-    /// prompt whatever its size. Set it for a replica with a KV connector (LMCache, P/D),
-    /// whose failed loads evict blocks before its cache is full. Unset, rolter reads it
-    /// from the replica's [`metrics_path`](Self::metrics_path) instead.
+    /// all of it while the replica holds nothing). Unset, rolter reads it from each
+    /// replica's [`metrics_path`](Self::metrics_path). Without either (or before the first
+    /// read), precise_cache_aware uses the size the replica's KV events show once it has
+    /// evicted a block (`ResidencyIndex::capacity_tokens`; a KV connector's failed loads,
+    /// LMCache or P/D, evict blocks before the cache is full and end that count early), and
+    /// a replica that holds nothing takes any prompt whatever its size.
     #[serde(default)]
     pub kv_cache_tokens: Option<u64>,
     /// Where each replica of this provider serves Prometheus metrics (vLLM: `/metrics`,

@@ -112,8 +112,9 @@ pub struct Candidate<'a> {
     /// New work placed on this target in the last `fleet::recent::WINDOW_MS` (estimated),
     /// for the placement rule's `share_bound`.
     pub placed: f64,
-    /// The replica's KV-cache capacity in tokens, as configured (`kv_cache_tokens`; 0 when
-    /// unknown), for the placement rule's `share_bound`.
+    /// The replica's KV-cache capacity in tokens: configured (`kv_cache_tokens`), else as
+    /// the replica's metrics report it (`cache_size_poll`); 0 when unknown. For the
+    /// placement rule's cache-pressure tests.
     pub cache_tokens: f64,
 }
 

@@ -22,9 +22,10 @@
 //! homes when the fleet is under cache pressure, and half of it less the blocks the stream
 //! reports resident (all of it, while the stream reports none and this gateway has routed
 //! nothing there) is the room the load bound opens new homes in. It is the provider's
-//! `kv_cache_tokens` when set, else what the replica's own events show once it has evicted
-//! a block (the most blocks resident at once, `ResidencyIndex::capacity_tokens`): exact
-//! residency needs no cache size from the operator.
+//! `kv_cache_tokens` when set, else what the replica publishes on its metrics endpoint
+//! (`cache_size_poll`; both arrive as `Candidate::cache_tokens`), else what the replica's
+//! own events show once it has evicted a block (the most blocks resident at once,
+//! `ResidencyIndex::capacity_tokens`): exact residency needs no cache size from anyone.
 
 use super::cache_aware::{group_home_of, previous_target, remember_target};
 use super::group_homes::GroupHomes;
@@ -128,8 +129,8 @@ pub fn held_tokens(tokens: &[u32], fleet: &FleetView, now_ms: u64) -> Vec<(usize
         .collect()
 }
 
-/// Tokens `c`'s replica's KV cache holds: its configured `kv_cache_tokens`, else the size its
-/// events have shown ([`ResidencyIndex::capacity_tokens`]: the most blocks resident once it
+/// Tokens `c`'s replica's KV cache holds: its configured `kv_cache_tokens` or the size its
+/// metrics report (`Candidate::cache_tokens`), else the size its events have shown ([`ResidencyIndex::capacity_tokens`]: the most blocks resident once it
 /// has evicted one); 0 while unknown.
 fn cache_tokens(c: &super::Candidate) -> f64 {
     if c.cache_tokens > 0.0 {
