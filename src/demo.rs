@@ -22,8 +22,8 @@ fn routes_toml(fleet: &rolter_loadtest::FleetHandle) -> String {
     for (i, r) in fleet.replicas().iter().enumerate() {
         toml.push_str(&format!(
             "[[providers]]\nname = \"replica-{i}\"\nkind = \"openai_compatible\"\napi_base = \"{}\"\n\
-             # The replica's KV-cache size, as vLLM logs it: sizes the prefix trie to it.\n\
-             kv_cache_tokens = {}\n",
+             # No kv_cache_tokens: rolter reads the replica's KV-cache size from its /metrics\n\
+             # (vllm:cache_config_info, {} tokens here) and sizes the prefix trie to it.\n",
             r.base_url(),
             r.kv_cache_tokens()
         ));

@@ -83,4 +83,16 @@ async fn demo_serves_and_routes_cache_aware() {
             .await,
         Some(2.0)
     );
+    // No cache size in the demo's routing file: each replica's is read from its /metrics.
+    for i in 0..3 {
+        let series = format!("rolter_kv_cache_reported_tokens{{provider=\"replica-{i}\"}}");
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                gw.metric(&series).await.is_some_and(|t| t > 0.0)
+            })
+            .await,
+            "{series}: {:?}",
+            gw.metric(&series).await
+        );
+    }
 }
