@@ -369,7 +369,10 @@ impl RouteTable {
                 .any(|ep| ep.targets.iter().any(|(s, _)| Arc::ptr_eq(s, &t.state)));
             if !read && t.state.reported_cache_tokens() > 0 {
                 t.state.set_reported_cache_tokens(0);
-                crate::metrics::forget_reported_cache_size(&t.state.key().provider);
+                // The gauge is the replica's: kept while another model on it is read.
+                if !cache_size.contains_key(&t.state.key().provider) {
+                    crate::metrics::forget_reported_cache_size(&t.state.key().provider);
+                }
             }
         }
         let cache_size = cache_size.into_values().map(Arc::new).collect();
