@@ -159,6 +159,82 @@ fn a_reload_sets_each_trie_cap_and_cache_size_from_the_provider() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Which replicas have their cache size read from their metrics: those without
+/// `kv_cache_tokens`, with a `metrics_path`, in a route whose strategy uses the size. A
+/// size read sizes the trie and reaches the placement rule, survives a reload that keeps
+/// the reads, and is dropped by one that stops them.
+#[test]
+fn cache_sizes_are_read_only_where_used_and_unset_and_kept_while_read() {
+    let read = |rt: &Runtime| -> Vec<String> {
+        let table = rt.table();
+        table
+            .cache_size_endpoints()
+            .iter()
+            .map(|e| format!("{}{}", e.provider, e.path))
+            .collect()
+    };
+    let (dir, path) = routes_file("sizes", &routes(&["a", "b", "c"], "cache_aware", None));
+    let rt = Runtime::load_with(&path, static_ctx()).unwrap();
+    assert_eq!(read(&rt), ["a/metrics", "b/metrics", "c/metrics"]);
+    for strategy in ["pipeline", "precise_cache_aware"] {
+        std::fs::write(&path, routes(&["a"], strategy, None)).unwrap();
+        rt.reload().unwrap();
+        assert_eq!(read(&rt), ["a/metrics"], "{strategy}");
+    }
+    for strategy in ["round_robin", "least_load", "lmcache_aware"] {
+        std::fs::write(&path, routes(&["a"], strategy, None)).unwrap();
+        rt.reload().unwrap();
+        assert!(read(&rt).is_empty(), "{strategy}");
+    }
+    let text = routes(&["a", "b", "c"], "cache_aware", None)
+        .replacen(
+            "api_base = \"http://127.0.0.1:9001\"\n",
+            "api_base = \"http://127.0.0.1:9001\"\nkv_cache_tokens = 4096\n",
+            1,
+        )
+        .replacen(
+            "api_base = \"http://127.0.0.1:9002\"\n",
+            "api_base = \"http://127.0.0.1:9002\"\nmetrics_path = \"/v2/stats\"\n",
+            1,
+        );
+    std::fs::write(&path, &text).unwrap();
+    rt.reload().unwrap();
+    assert_eq!(read(&rt), ["a/metrics", "c/v2/stats"]);
+
+    // A size read for a: its trie's cap and the rule's cache size, kept by a reload.
+    let a = rt.registry().get_or_create(&key("a"));
+    rt.table().cache_size_endpoints()[0].publish(2048);
+    let cap = crate::routing::cache_aware::trie_bytes_for_kv_cache(Some(2048), 4.0);
+    let size_of_a = |rt: &Runtime| -> f64 {
+        rt.table()
+            .route("alias")
+            .unwrap()
+            .candidates(std::time::Instant::now())[0]
+            .cache_tokens
+    };
+    assert_eq!(a.trie.max_bytes(), cap);
+    assert_eq!(size_of_a(&rt), 2048.0);
+    rt.reload().unwrap();
+    assert_eq!(a.trie.max_bytes(), cap, "a reload keeps the size read");
+    assert_eq!(size_of_a(&rt), 2048.0);
+    // Reads off for a: the size goes with them.
+    std::fs::write(
+        &path,
+        text.replacen(
+            "api_base = \"http://127.0.0.1:9000\"\n",
+            "api_base = \"http://127.0.0.1:9000\"\nmetrics_path = \"\"\n",
+            1,
+        ),
+    )
+    .unwrap();
+    rt.reload().unwrap();
+    assert_eq!(read(&rt), ["c/v2/stats"]);
+    assert_eq!(a.reported_cache_tokens(), 0);
+    assert_eq!(a.trie.max_bytes(), usize::MAX);
+    assert_eq!(size_of_a(&rt), 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_new_work_a_target_was_given_reaches_the_strategy_and_survives_a_reload() {
     let (dir, path) = routes_file("placed", &routes(&["a", "b"], "cache_aware", None));
