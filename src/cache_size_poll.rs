@@ -10,13 +10,17 @@
 //! set (the table lists only the others).
 //!
 //! ## The size
-//! One sample per engine (`engine` label; several under data parallelism): each names
-//! `kv_cache_size_tokens` (newer vLLM) or `num_gpu_blocks` and `block_size`; a value vLLM
-//! has not filled in yet (`None`, `0`) counts as absent. Over several engines the
-//! smallest: a prompt lives in one engine's cache, so that is what one prefix group can
-//! keep. Label values follow the text exposition format (quoted, `\\`, `\"`, `\n`
-//! escapes); `prometheus-parse` 0.2 splits a label set on `,` and `=` without honouring
-//! quotes, so this one line is read here.
+//! One sample per engine the server fronts (`engine` label; several under data
+//! parallelism), its labels the engine's `CacheConfig`, `str()`-ed: newer vLLM names
+//! `kv_cache_size_tokens`, per engine; every release names `num_gpu_blocks` and
+//! `block_size`, where `num_gpu_blocks` is the sum over the server's engines (its front end
+//! adds up what each engine reports and writes the sum into every sample). The size is one
+//! engine's cache, as a prompt lives in one engine's: the smallest `kv_cache_size_tokens`,
+//! else `num_gpu_blocks` × `block_size` over the number of samples. A value not filled in
+//! yet (`None`, `0`) counts as absent. Label values follow the text exposition format
+//! (quoted, `\\`, `\"`, `\n` escapes); `prometheus-parse` 0.2 splits a label set on `,` and
+//! `=` without honouring quotes, so this one metric is read here; a malformed sample is
+//! skipped while another gives the size.
 //!
 //! ## When
 //! At start and after every reload (the table's endpoints restart), then every
@@ -35,6 +39,7 @@ use async_trait::async_trait;
 use pingora::connectors::http::v1::Connector;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,49 +54,77 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest metrics body read (vLLM's is a few hundred KiB with all its histograms).
 pub const MAX_METRICS_BODY_BYTES: usize = 16 << 20;
 
-/// The KV-cache size in tokens a metrics body reports (see the module docs), or why none.
-pub fn parse_cache_tokens(text: &str) -> Result<u64, String> {
-    let mut smallest: Option<u64> = None;
-    let mut samples = 0usize;
-    for line in text.lines() {
-        let Some(rest) = line.trim_start().strip_prefix(CACHE_CONFIG_INFO) else {
-            continue;
-        };
-        let labels = match rest.chars().next() {
-            Some('{') => parse_label_set(rest)?,
-            Some(c) if c.is_ascii_whitespace() => Vec::new(),
-            _ => continue, // a longer name
-        };
-        samples += 1;
-        if let Some(tokens) = tokens_of(&labels) {
-            smallest = Some(smallest.map_or(tokens, |s| s.min(tokens)));
-        }
-    }
-    match (smallest, samples) {
-        (Some(tokens), _) => Ok(tokens),
-        (None, 0) => Err(format!("no {CACHE_CONFIG_INFO} sample")),
-        (None, _) => Err(format!(
-            "{CACHE_CONFIG_INFO} names no cache size (kv_cache_size_tokens, or num_gpu_blocks and block_size)"
-        )),
-    }
+/// Why a metrics body gave no cache size.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoCacheSize {
+    /// No `vllm:cache_config_info` sample at all (not vLLM, or metrics off).
+    #[error("no vllm:cache_config_info sample")]
+    NoSample,
+    /// Samples, but none with a size (the engine has not profiled its memory yet).
+    #[error(
+        "vllm:cache_config_info names no cache size (kv_cache_size_tokens, or num_gpu_blocks and block_size)"
+    )]
+    NotFilledIn,
+    /// Every sample's label set is malformed.
+    #[error("vllm:cache_config_info: malformed label set: {0}")]
+    Malformed(&'static str),
 }
 
-/// The cache size one sample's labels give.
-fn tokens_of(labels: &[(&str, String)]) -> Option<u64> {
-    let get = |name: &str| {
-        labels
-            .iter()
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v.trim().parse::<u64>().ok())
-            .filter(|&n| n > 0)
-    };
-    get("kv_cache_size_tokens").or_else(|| get("num_gpu_blocks")?.checked_mul(get("block_size")?))
+/// The KV-cache size in tokens a metrics body reports (see the module docs).
+pub fn parse_cache_tokens(text: &str) -> Result<u64, NoCacheSize> {
+    let mut per_engine: Option<u64> = None;
+    let mut summed_blocks: Option<u64> = None;
+    let mut samples = 0u64;
+    let mut malformed = None;
+    for line in text.lines() {
+        let Some(after) = line.trim_start().strip_prefix(CACHE_CONFIG_INFO) else {
+            continue;
+        };
+        // The name ends at '{' or a space; anything else is a longer name.
+        if !after.starts_with(|c: char| c == '{' || c.is_ascii_whitespace()) {
+            continue;
+        }
+        let rest = after.trim_start();
+        let labels = if rest.starts_with('{') {
+            match parse_label_set(rest) {
+                Ok(labels) => labels,
+                Err(why) => {
+                    malformed = Some(why);
+                    continue;
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        samples += 1;
+        let get = |name: &str| {
+            labels
+                .iter()
+                .find(|(k, _)| *k == name)
+                .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+                .filter(|&n| n > 0)
+        };
+        if let Some(tokens) = get("kv_cache_size_tokens") {
+            per_engine = Some(per_engine.map_or(tokens, |t| t.min(tokens)));
+        }
+        if let Some(tokens) = get("num_gpu_blocks").and_then(|b| b.checked_mul(get("block_size")?))
+        {
+            summed_blocks = Some(summed_blocks.map_or(tokens, |t| t.min(tokens)));
+        }
+    }
+    match (per_engine, summed_blocks, samples, malformed) {
+        (Some(tokens), _, _, _) => Ok(tokens),
+        (None, Some(tokens), n, _) => Ok((tokens / n.max(1)).max(1)),
+        (None, None, 0, Some(why)) => Err(NoCacheSize::Malformed(why)),
+        (None, None, 0, None) => Err(NoCacheSize::NoSample),
+        (None, None, _, _) => Err(NoCacheSize::NotFilledIn),
+    }
 }
 
 /// The labels of `{name="value",...}` at the start of `s` (exposition-format quoting and
 /// escapes; a trailing comma allowed), as (name, unescaped value) pairs.
-fn parse_label_set(s: &str) -> Result<Vec<(&str, String)>, String> {
-    let bad = |why: &str| Err(format!("{CACHE_CONFIG_INFO}: malformed label set: {why}"));
+fn parse_label_set(s: &str) -> Result<Vec<(&str, String)>, &'static str> {
+    let bad = |why: &'static str| Err(why);
     let mut rest = s.strip_prefix('{').unwrap_or(s);
     let mut labels = Vec::new();
     loop {
@@ -210,7 +243,7 @@ impl Reader {
             Ok(body) => match std::str::from_utf8(&body) {
                 Ok(text) => match parse_cache_tokens(text) {
                     Ok(tokens) => ReadResult::Ok(tokens),
-                    Err(why) => ReadResult::Invalid(why),
+                    Err(why) => ReadResult::Invalid(why.to_string()),
                 },
                 Err(_) => ReadResult::Invalid("body is not UTF-8".into()),
             },
@@ -294,7 +327,18 @@ pub struct CacheSizePollService(pub Arc<Runtime>);
 impl BackgroundService for CacheSizePollService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let reader = Arc::new(Reader::default());
+        let mut read_before: HashSet<String> = HashSet::new();
         run_per_table(&self.0, &mut shutdown, |table, tasks| {
+            // The old table's reads are gone: a replica no longer read loses its gauge.
+            let read_now: HashSet<String> = table
+                .cache_size_endpoints()
+                .iter()
+                .map(|ep| ep.provider.clone())
+                .collect();
+            for gone in read_before.difference(&read_now) {
+                crate::metrics::forget_reported_cache_size(gone);
+            }
+            read_before = read_now;
             for ep in table.cache_size_endpoints() {
                 let (reader, ep, policy) = (reader.clone(), ep.clone(), table.egress().clone());
                 tasks.spawn(async move { reader.run(&ep, &policy).await });
@@ -327,37 +371,57 @@ mod tests {
     }
 
     #[test]
-    fn several_engines_give_the_smallest_cache() {
-        let text = "vllm:cache_config_info{engine=\"0\",block_size=\"16\",num_gpu_blocks=\"9000\"} 1.0\n\
-                    vllm:cache_config_info{engine=\"1\",block_size=\"16\",num_gpu_blocks=\"8000\"} 1.0\n";
-        assert_eq!(parse_cache_tokens(text), Ok(8000 * 16));
+    fn under_data_parallelism_the_size_is_one_engines_cache() {
+        // vLLM's front end writes the blocks summed over its engines into every sample, and
+        // each engine's own kv_cache_size_tokens.
+        let summed = "vllm:cache_config_info{engine=\"0\",block_size=\"16\",num_gpu_blocks=\"17000\"} 1.0\n\
+                      vllm:cache_config_info{engine=\"1\",block_size=\"16\",num_gpu_blocks=\"17000\"} 1.0\n";
+        assert_eq!(parse_cache_tokens(summed), Ok(8500 * 16));
+        let per_engine = "vllm:cache_config_info{engine=\"0\",block_size=\"16\",kv_cache_size_tokens=\"144000\",num_gpu_blocks=\"17000\"} 1.0\n\
+                          vllm:cache_config_info{engine=\"1\",block_size=\"16\",kv_cache_size_tokens=\"128000\",num_gpu_blocks=\"17000\"} 1.0\n";
+        assert_eq!(parse_cache_tokens(per_engine), Ok(128000));
     }
 
     #[test]
     fn a_body_without_a_size_is_an_error_that_says_why() {
-        let none = parse_cache_tokens("vllm:num_requests_running 0\n").unwrap_err();
-        assert!(none.contains("no vllm:cache_config_info"), "{none}");
-        let unset = parse_cache_tokens(
-            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n\
-             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"0\"} 1.0\n",
-        )
-        .unwrap_err();
-        assert!(unset.contains("names no cache size"), "{unset}");
+        assert_eq!(
+            parse_cache_tokens("vllm:num_requests_running 0\n"),
+            Err(NoCacheSize::NoSample)
+        );
+        assert_eq!(
+            parse_cache_tokens(
+                "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n\
+                 vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"0\"} 1.0\n\
+                 vllm:cache_config_info 1.0\n",
+            ),
+            Err(NoCacheSize::NotFilledIn)
+        );
         // A longer metric name is another metric.
-        assert!(parse_cache_tokens(
-            "vllm:cache_config_info_extra{block_size=\"16\",num_gpu_blocks=\"4\"} 1\n"
-        )
-        .is_err());
+        assert_eq!(
+            parse_cache_tokens(
+                "vllm:cache_config_info_extra{block_size=\"16\",num_gpu_blocks=\"4\"} 1\n"
+            ),
+            Err(NoCacheSize::NoSample)
+        );
         for broken in [
             "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"4} 1\n",
             "vllm:cache_config_info{block_size=16} 1\n",
             "vllm:cache_config_info{block_size=\"16\" num_gpu_blocks=\"4\"} 1\n",
             "vllm:cache_config_info{a=\"\\x\"} 1\n",
             "vllm:cache_config_info{=\"1\"} 1\n",
+            "vllm:cache_config_info{block_size=\"16\"}1\n",
         ] {
             let e = parse_cache_tokens(broken).unwrap_err();
-            assert!(e.contains("malformed"), "{broken}: {e}");
+            assert!(matches!(e, NoCacheSize::Malformed(_)), "{broken}: {e}");
         }
+        // A malformed sample beside a good one: the good one counts.
+        assert_eq!(
+            parse_cache_tokens(
+                "vllm:cache_config_info{block_size=16} 1\n\
+                 vllm:cache_config_info {block_size=\"16\",num_gpu_blocks=\"4\"} 1\n"
+            ),
+            Ok(64)
+        );
     }
 
     #[test]

@@ -171,7 +171,13 @@ async fn a_configured_size_replaces_the_read_one_on_reload() {
         })
         .await
     );
-    assert_eq!(gw.metric(reported).await, None);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.metric(reported).await.is_none()
+        })
+        .await,
+        "the size read before the reload is still exported"
+    );
     // A replica still listed would be read again at once (every reload restarts the reads).
     let reads = "rolter_cache_size_reads_total{provider=\"r0\",result=\"ok\"}";
     let before = gw.metric(reads).await;

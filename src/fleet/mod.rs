@@ -155,9 +155,10 @@ pub struct TargetState {
     pub trie: PrefixTrie,
     /// New work placed here recently (the placement rule's `share_bound`).
     pub placed: recent::RecentCount,
-    /// The replica's KV-cache size in tokens as its own metrics report it (0 = not read):
-    /// written by `cache_size_poll`, kept across reloads like the trie it sizes.
-    reported_cache_tokens: AtomicU64,
+    /// The replica's KV-cache size in tokens as its own metrics report it (`cache_size_poll`
+    /// writes it through the table's [`cache_size::CacheSizeEndpoint`]s), kept across
+    /// reloads that keep the reads, like the trie it sizes.
+    pub cache_size: cache_size::ReportedSize,
 }
 
 impl TargetState {
@@ -177,7 +178,7 @@ impl TargetState {
             breaker: Breaker::default(),
             trie: PrefixTrie::default(),
             placed: recent::RecentCount::default(),
-            reported_cache_tokens: AtomicU64::new(0),
+            cache_size: cache_size::ReportedSize::default(),
         }
     }
 
@@ -204,12 +205,7 @@ impl TargetState {
 
     /// The replica's KV-cache size in tokens as its metrics last reported it (0 = unread).
     pub fn reported_cache_tokens(&self) -> u64 {
-        self.reported_cache_tokens.load(Ordering::Relaxed)
-    }
-
-    /// Record the KV-cache size the replica's metrics report.
-    pub fn set_reported_cache_tokens(&self, tokens: u64) {
-        self.reported_cache_tokens.store(tokens, Ordering::Relaxed);
+        self.cache_size.tokens()
     }
 
     /// Requests in flight right now.

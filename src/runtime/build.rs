@@ -263,6 +263,7 @@ impl RouteTable {
         }
         let mut routes = HashMap::new();
         let mut cache_size: BTreeMap<String, CacheSizeEndpoint> = BTreeMap::new();
+        let generation = crate::fleet::cache_size::next_generation();
         for (route_index, (r, tokenizer)) in config.routes.iter().zip(tokenizers).enumerate() {
             let ms = |route: Option<u64>, global: u64| route.unwrap_or(global);
             let timeouts = PeerTimeouts {
@@ -301,17 +302,19 @@ impl RouteTable {
                     };
                     let state = registry.get_or_create(&key);
                     state.trie.set_max_nodes(r.trie_max_nodes);
-                    let reported = Some(state.reported_cache_tokens()).filter(|&n| n > 0);
+                    // A size read from the replica caps the trie after the loop, whichever
+                    // route comes last.
                     state
                         .trie
                         .set_max_bytes(routing::cache_aware::trie_bytes_for_kv_cache(
-                            kv_cache_tokens.or(reported.filter(|_| reads_size)),
+                            kv_cache_tokens,
                             r.prompt_bytes_per_token,
                         ));
                     let up = &provider.upstream;
                     if reads_size {
                         let ep = cache_size.entry(inst.name.clone()).or_insert_with(|| {
                             CacheSizeEndpoint {
+                                generation,
                                 provider: inst.name.clone(),
                                 host_name: up.name.clone(),
                                 addr: inst.addr,
@@ -361,18 +364,19 @@ impl RouteTable {
             };
             routes.insert(r.model.clone(), Arc::new(route));
         }
-        // A size read for a target nothing reads it for any more is not kept: it would
-        // outlive the setting that stopped the reads.
+        // Every target's reported size goes to this table's reads, or, read by none of its
+        // endpoints, is dropped (it would outlive the setting that stopped the reads); a
+        // size kept caps the trie, whichever route sized it last.
         for t in routes.values().flat_map(|r: &Arc<Route>| r.targets.iter()) {
             let read = cache_size
                 .values()
-                .any(|ep| ep.targets.iter().any(|(s, _)| Arc::ptr_eq(s, &t.state)));
-            if !read && t.state.reported_cache_tokens() > 0 {
-                t.state.set_reported_cache_tokens(0);
-                // The gauge is the replica's: kept while another model on it is read.
-                if !cache_size.contains_key(&t.state.key().provider) {
-                    crate::metrics::forget_reported_cache_size(&t.state.key().provider);
-                }
+                .flat_map(|ep| ep.targets.iter())
+                .find(|(s, _)| Arc::ptr_eq(s, &t.state));
+            let kept = t.state.cache_size.hand_over(read.map(|_| generation));
+            if let Some((state, bytes_per_token)) = read.filter(|_| kept > 0) {
+                state
+                    .trie
+                    .set_max_bytes(crate::fleet::cache_size::trie_bytes(kept, *bytes_per_token));
             }
         }
         let cache_size = cache_size.into_values().map(Arc::new).collect();

@@ -42,8 +42,9 @@ pub struct RouteTarget {
     pub lmcache: Option<Arc<LmcacheStatus>>,
     /// The provider's KV-event state, if it has `[providers.kv_events]`.
     pub kv: Option<Arc<KvState>>,
-    /// The replica's KV-cache capacity in tokens (the provider's `kv_cache_tokens`; 0 when
-    /// unset, and then what the replica's metrics report, [`TargetState::reported_cache_tokens`]).
+    /// The replica's KV-cache capacity in tokens as configured (the provider's
+    /// `kv_cache_tokens`; 0 when unset). [`Self::cache_tokens`] falls back to what the
+    /// replica's metrics report.
     pub kv_cache_tokens: f64,
 }
 

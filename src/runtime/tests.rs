@@ -217,6 +217,25 @@ fn cache_sizes_are_read_only_where_used_and_unset_and_kept_while_read() {
     rt.reload().unwrap();
     assert_eq!(a.trie.max_bytes(), cap, "a reload keeps the size read");
     assert_eq!(size_of_a(&rt), 2048.0);
+    // The old table's reads can no longer write it.
+    let old_reads = rt.table();
+    rt.reload().unwrap();
+    old_reads.cache_size_endpoints()[0].publish(999);
+    assert_eq!(
+        size_of_a(&rt),
+        2048.0,
+        "a read of a replaced table is refused"
+    );
+    rt.table().cache_size_endpoints()[0].publish(2048);
+    // A later route over the same target that does not read it leaves the cap alone.
+    let shared = format!(
+        "{text}[[routes]]\nmodel = \"plain\"\nstrategy = \"round_robin\"\n\
+         [[routes.targets]]\nprovider = \"a\"\nmodel = \"m\"\n"
+    );
+    std::fs::write(&path, &shared).unwrap();
+    rt.reload().unwrap();
+    assert_eq!(a.trie.max_bytes(), cap, "whichever route comes last");
+    assert_eq!(size_of_a(&rt), 2048.0);
     // Reads off for a: the size goes with them.
     std::fs::write(
         &path,
