@@ -29,9 +29,9 @@
 //! and retries after [`RETRY_FIRST`], doubling up to [`REFRESH`]. Every read re-checks the
 //! replica's address against the current egress policy; a denied one is not contacted.
 
-use crate::egress::{EgressError, EgressPolicy};
+use crate::egress::EgressPolicy;
 pub use crate::fleet::cache_size::CacheSizeEndpoint;
-use crate::http_get::{self, Get, GetError};
+use crate::http_get::{self, Get, PollResult};
 use crate::metrics::METRICS;
 use crate::runtime::generations::run_per_table;
 use crate::runtime::Runtime;
@@ -124,7 +124,6 @@ pub fn parse_cache_tokens(text: &str) -> Result<u64, NoCacheSize> {
 /// The labels of `{name="value",...}` at the start of `s` (exposition-format quoting and
 /// escapes; a trailing comma allowed), as (name, unescaped value) pairs.
 fn parse_label_set(s: &str) -> Result<Vec<(&str, String)>, &'static str> {
-    let bad = |why: &'static str| Err(why);
     let mut rest = s.strip_prefix('{').unwrap_or(s);
     let mut labels = Vec::new();
     loop {
@@ -133,31 +132,31 @@ fn parse_label_set(s: &str) -> Result<Vec<(&str, String)>, &'static str> {
             if after.is_empty() || after.starts_with(|c: char| c.is_ascii_whitespace()) {
                 return Ok(labels);
             }
-            return bad("no space before the value");
+            return Err("no space before the value");
         }
         let name_len = rest
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .unwrap_or(rest.len());
         if name_len == 0 {
-            return bad("expected a label name");
+            return Err("expected a label name");
         }
         let (name, after) = rest.split_at(name_len);
         let Some(after) = after.trim_start().strip_prefix('=') else {
-            return bad("expected '=' after a label name");
+            return Err("expected '=' after a label name");
         };
         let Some(quoted) = after.trim_start().strip_prefix('"') else {
-            return bad("expected a quoted label value");
+            return Err("expected a quoted label value");
         };
         let mut value = String::new();
         let mut chars = quoted.char_indices();
         let end = loop {
             match chars.next() {
-                None => return bad("unterminated label value"),
+                None => return Err("unterminated label value"),
                 Some((i, '"')) => break i,
                 Some((_, '\\')) => match chars.next() {
                     Some((_, 'n')) => value.push('\n'),
                     Some((_, c @ ('\\' | '"'))) => value.push(c),
-                    _ => return bad("unknown escape in a label value"),
+                    _ => return Err("unknown escape in a label value"),
                 },
                 Some((_, c)) => value.push(c),
             }
@@ -167,50 +166,13 @@ fn parse_label_set(s: &str) -> Result<Vec<(&str, String)>, &'static str> {
         if let Some(after) = rest.strip_prefix(',') {
             rest = after;
         } else if !rest.starts_with('}') {
-            return bad("expected ',' or '}' after a label value");
+            return Err("expected ',' or '}' after a label value");
         }
     }
 }
 
-/// What one read found.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ReadResult {
-    /// The size, in tokens.
-    Ok(u64),
-    /// Unreachable, broken connection or non-2xx.
-    Error(String),
-    /// Answered, but with no size in it.
-    Invalid(String),
-    /// Slower than [`READ_TIMEOUT`].
-    Timeout,
-    /// The replica's address is denied by the egress policy: not contacted.
-    Denied(EgressError),
-}
-
-impl ReadResult {
-    /// Metric label: ok, error, invalid, timeout, denied.
-    pub fn label(&self) -> &'static str {
-        match self {
-            ReadResult::Ok(_) => "ok",
-            ReadResult::Error(_) => "error",
-            ReadResult::Invalid(_) => "invalid",
-            ReadResult::Timeout => "timeout",
-            ReadResult::Denied(_) => "denied",
-        }
-    }
-}
-
-impl std::fmt::Display for ReadResult {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadResult::Ok(tokens) => write!(f, "{tokens} tokens"),
-            ReadResult::Error(why) => write!(f, "error: {why}"),
-            ReadResult::Invalid(why) => write!(f, "no size in the answer: {why}"),
-            ReadResult::Timeout => write!(f, "timed out"),
-            ReadResult::Denied(e) => write!(f, "not read: {e}"),
-        }
-    }
-}
+/// What one read found: the size in tokens, or why there is none.
+pub type ReadResult = PollResult<u64>;
 
 /// Reads replicas' cache sizes over one HTTP connector.
 pub struct Reader {
@@ -247,9 +209,7 @@ impl Reader {
                 },
                 Err(_) => ReadResult::Invalid("body is not UTF-8".into()),
             },
-            Err(GetError::Timeout) => ReadResult::Timeout,
-            Err(e @ GetError::TooLarge(_)) => ReadResult::Invalid(e.to_string()),
-            Err(e) => ReadResult::Error(e.to_string()),
+            Err(e) => e.into(),
         }
     }
 
@@ -277,11 +237,11 @@ impl Reader {
                 (ReadResult::Ok(a), ReadResult::Ok(b)) => a != b,
                 (a, b) => a.label() != b.label(),
             });
-            let wait = if let ReadResult::Ok(_) = result {
+            let wait = if let ReadResult::Ok(tokens) = result {
                 retry = RETRY_FIRST;
                 if changed {
                     log::info!(
-                        "cache size of {} read from {}{}: {result}",
+                        "cache size of {} read from {}{}: {tokens} tokens",
                         ep.provider,
                         ep.addr,
                         ep.path

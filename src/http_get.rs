@@ -1,13 +1,15 @@
 //! One bounded HTTP/1 `GET` for the gateway's pollers (LMCache status, replica cache
-//! sizes): connect, send, read a 2xx body no larger than a limit, all within one deadline.
+//! sizes): connect, send, read a 2xx body no larger than a limit, all within one deadline;
+//! and [`PollResult`], what one poll found, as both pollers count and log it.
 //!
-//! Owns the exchange only. Must not: resolve names or check the egress policy (the caller
-//! hands it an address it has already checked) or interpret the body.
+//! Owns the exchange and the outcome's shape. Must not: resolve names or check the egress
+//! policy (the caller hands it an address it has already checked) or interpret the body.
 //!
 //! It goes through pingora-core's HTTP/1 connector, the one the proxy already uses: no
 //! second HTTP stack in the binary. Each call uses a fresh connection (`connection:
 //! close`), so no pooled connection outlives the caller's egress decision.
 
+use crate::egress::EgressError;
 use bytes::{Bytes, BytesMut};
 use pingora::connectors::http::v1::Connector;
 use pingora::http::RequestHeader;
@@ -47,6 +49,56 @@ pub enum GetError {
     /// The body passed the limit.
     #[error("body larger than {0} bytes")]
     TooLarge(usize),
+}
+
+/// What one poll found: an answer of type `T`, or why there is none.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PollResult<T> {
+    /// A well-formed answer.
+    Ok(T),
+    /// Unresolvable, unreachable, broken connection or non-2xx.
+    Error(String),
+    /// Answered, but not the expected shape (or too large).
+    Invalid(String),
+    /// Slower than the poll's deadline.
+    Timeout,
+    /// The name or one of its addresses is denied by the egress policy: not contacted.
+    Denied(EgressError),
+}
+
+impl<T> PollResult<T> {
+    /// Metric label: ok, error, invalid, timeout, denied.
+    pub fn label(&self) -> &'static str {
+        match self {
+            PollResult::Ok(_) => "ok",
+            PollResult::Error(_) => "error",
+            PollResult::Invalid(_) => "invalid",
+            PollResult::Timeout => "timeout",
+            PollResult::Denied(_) => "denied",
+        }
+    }
+}
+
+impl<T: std::fmt::Display> std::fmt::Display for PollResult<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PollResult::Ok(v) => write!(f, "ok: {v}"),
+            PollResult::Error(why) => write!(f, "error: {why}"),
+            PollResult::Invalid(why) => write!(f, "invalid answer: {why}"),
+            PollResult::Timeout => write!(f, "timed out"),
+            PollResult::Denied(e) => write!(f, "not polled: {e}"),
+        }
+    }
+}
+
+impl<T> From<GetError> for PollResult<T> {
+    fn from(e: GetError) -> Self {
+        match e {
+            GetError::Timeout => PollResult::Timeout,
+            GetError::TooLarge(_) => PollResult::Invalid(e.to_string()),
+            GetError::Failed(_) | GetError::Status(_) => PollResult::Error(e.to_string()),
+        }
+    }
 }
 
 /// `GET` with `connector`, bounded by `req.timeout` as a whole.

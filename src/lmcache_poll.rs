@@ -31,9 +31,9 @@
 //! like `api_base`, a fresh connection each poll, so a re-pointed name takes effect on
 //! the next poll and no pooled connection outlives an egress decision).
 
-use crate::egress::{self, EgressError, EgressPolicy, OutboundError, Resolver};
+use crate::egress::{self, EgressPolicy, OutboundError, Resolver};
 pub use crate::fleet::lmcache::{BoardKey, LmcacheBoard, LmcacheEndpoint, LmcacheStatus};
-use crate::http_get::{self, Get, GetError};
+use crate::http_get::{self, Get};
 use crate::metrics::METRICS;
 pub use crate::routing::LmcacheView;
 use crate::runtime::generations::run_per_table;
@@ -72,48 +72,7 @@ pub fn parse_status(body: &[u8]) -> Result<LmcacheView, String> {
 }
 
 /// What one poll found.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PollResult {
-    /// A well-formed answer.
-    Ok(LmcacheView),
-    /// Unresolvable, unreachable, broken connection or non-2xx.
-    Error(String),
-    /// Answered, but not the status shape or out of range.
-    Invalid(String),
-    /// Slower than `timeout_ms`.
-    Timeout,
-    /// The name or one of its addresses is denied by the egress policy: not contacted.
-    Denied(EgressError),
-}
-
-impl PollResult {
-    /// Metric label: ok, error, invalid, timeout, denied.
-    pub fn label(&self) -> &'static str {
-        match self {
-            PollResult::Ok(_) => "ok",
-            PollResult::Error(_) => "error",
-            PollResult::Invalid(_) => "invalid",
-            PollResult::Timeout => "timeout",
-            PollResult::Denied(_) => "denied",
-        }
-    }
-}
-
-impl std::fmt::Display for PollResult {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PollResult::Ok(v) => write!(
-                f,
-                "ok: occupancy {} cache_available {}",
-                v.occupancy, v.cache_available
-            ),
-            PollResult::Error(why) => write!(f, "error: {why}"),
-            PollResult::Invalid(why) => write!(f, "invalid answer: {why}"),
-            PollResult::Timeout => write!(f, "timed out"),
-            PollResult::Denied(e) => write!(f, "not polled: {e}"),
-        }
-    }
-}
+pub type PollResult = http_get::PollResult<LmcacheView>;
 
 /// Polls status endpoints: resolver + egress check + one HTTP GET.
 pub struct Poller {
@@ -214,11 +173,7 @@ impl Poller {
         };
         http_get::get(&self.connector, &req)
             .await
-            .map_err(|e| match e {
-                GetError::Timeout => PollResult::Timeout,
-                GetError::TooLarge(_) => PollResult::Invalid(e.to_string()),
-                GetError::Failed(_) | GetError::Status(_) => PollResult::Error(e.to_string()),
-            })
+            .map_err(PollResult::from)
     }
 }
 

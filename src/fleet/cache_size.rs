@@ -16,6 +16,7 @@
 
 use super::TargetState;
 use crate::metrics::METRICS;
+use crate::routing::cache_aware::trie_bytes_for_kv_cache;
 use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -97,7 +98,7 @@ impl CacheSizeEndpoint {
             taken |= state.cache_size.publish(self.generation, tokens, || {
                 state
                     .trie
-                    .set_max_bytes(trie_bytes(tokens, *bytes_per_token));
+                    .set_max_bytes(trie_bytes_for_kv_cache(Some(tokens), *bytes_per_token));
             });
         }
         if taken {
@@ -116,11 +117,6 @@ impl CacheSizeEndpoint {
             .max()
             .unwrap_or(0)
     }
-}
-
-/// A trie's byte cap for a replica cache of `tokens`.
-pub fn trie_bytes(tokens: u64, bytes_per_token: f64) -> usize {
-    crate::routing::cache_aware::trie_bytes_for_kv_cache(Some(tokens), bytes_per_token)
 }
 
 #[cfg(test)]

@@ -46,6 +46,16 @@ pub struct LmcacheView {
     pub cache_available: bool,
 }
 
+impl std::fmt::Display for LmcacheView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "occupancy {} cache_available {}",
+            self.occupancy, self.cache_available
+        )
+    }
+}
+
 impl LmcacheView {
     /// Free capacity as this strategy values it (0 when the cache is unavailable).
     pub fn free(&self) -> f64 {

@@ -376,7 +376,10 @@ impl RouteTable {
             if let Some((state, bytes_per_token)) = read.filter(|_| kept > 0) {
                 state
                     .trie
-                    .set_max_bytes(crate::fleet::cache_size::trie_bytes(kept, *bytes_per_token));
+                    .set_max_bytes(routing::cache_aware::trie_bytes_for_kv_cache(
+                        Some(kept),
+                        *bytes_per_token,
+                    ));
             }
         }
         let cache_size = cache_size.into_values().map(Arc::new).collect();
